@@ -1,0 +1,28 @@
+// shuttle's own error codes (category "shuttle"). System errors stay in
+// std::system_category; transports add their own categories (verbs work
+// completion status) where the source has one.
+#pragma once
+
+#include <string>
+#include <system_error>
+
+namespace shuttle {
+
+enum class errc {
+  eof = 1,              // the peer closed the stream before the expected bytes arrived
+  protocol_error,       // a peer sent something the protocol does not allow
+  remote_access_error,  // the target refused a one-sided access (rkey, bounds, rights)
+  remote_operation_error,
+  disconnected,         // the connection went down with the operation pending
+  message_too_long,     // the message exceeds the receive buffer or the limit
+  not_supported,
+};
+
+const std::error_category& shuttle_category() noexcept;
+
+inline std::error_code make_error_code(errc e) noexcept { return {static_cast<int>(e), shuttle_category()}; }
+
+}  // namespace shuttle
+
+template <>
+struct std::is_error_code_enum<shuttle::errc> : std::true_type {};

@@ -1,0 +1,202 @@
+// io_context: one event loop per thread, built on one io_uring. It owns every
+// completion source of its thread: io_uring operations (sockets, timers,
+// signals, fds of RDMA completion channels and rdma_cm), busy-polled sources
+// registered as pollers, coroutines posted locally and work posted from other
+// threads.
+//
+// Submissions are batched: operations fill SQEs while the loop runs ready
+// coroutines, and one io_uring_enter submits them and waits.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <coroutine>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stop_token>
+#include <thread>
+#include <vector>
+
+#include <liburing.h>
+
+#include <shuttle/detail/driver.hpp>
+#include <shuttle/detail/io_op.hpp>
+#include <shuttle/poller.hpp>
+#include <shuttle/task.hpp>
+
+namespace shuttle {
+
+class io_context {
+ public:
+  struct options {
+    unsigned sq_entries = 1024;  // CQ is four times larger
+    // How long the loop keeps busy-polling its pollers after the last one
+    // that did work, before it arms them and sleeps in the ring.
+    std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
+  };
+
+  io_context();
+  explicit io_context(options opts);
+  ~io_context();
+  io_context(const io_context&) = delete;
+  io_context& operator=(const io_context&) = delete;
+
+  // The context of the calling thread (one per thread). Throws if none.
+  static io_context& current();
+  static io_context* current_or_null() noexcept;
+
+  // Runs the loop until `t` completes; returns its value or rethrows.
+  template <class T>
+  T run(task<T> t);
+  template <awaitable A>
+  await_result_t<A> run(A a) {
+    return run(as_task(std::move(a)));
+  }
+  // Runs the loop until stop() is called.
+  void run();
+  // Thread-safe: makes run() return at its next iteration.
+  void stop() noexcept;
+
+  // co_await ctx.schedule(): continue on this context's thread (from any thread).
+  class schedule_awaitable;
+  schedule_awaitable schedule() noexcept;
+
+  // Loop thread only: resume `h` on a later turn of the loop.
+  void post(std::coroutine_handle<> h);
+  // Any thread: run a callable on the loop (allocates).
+  void dispatch(std::function<void()> fn);
+  // Any thread: queue an intrusive remote operation.
+  void post_remote(detail::remote_op* op) noexcept;
+
+  bool running_in_this_thread() const noexcept;
+
+  // For operations: a free SQE (flushes the ring when the SQ is full).
+  io_uring_sqe* get_sqe();
+  // Asks the kernel to cancel the submission whose user_data is `target`.
+  void submit_cancel(const detail::io_op* target);
+  io_uring* ring() noexcept { return &ring_; }
+
+  void add_poller(poller& p);
+  void remove_poller(poller& p) noexcept;
+
+  // Statistics, for tests and benchmarks.
+  std::uint64_t submitted_sqes() const noexcept { return sqes_; }
+  std::uint64_t loop_sleeps() const noexcept { return sleeps_; }
+
+ private:
+  template <class T>
+  struct root_state;
+  template <class T>
+  static detail::driver run_root(task<T> t, root_state<T>& st);
+
+  void run_until(const bool& done);
+  void run_ready();
+  bool drain_remote();
+  bool poll_pollers();
+  bool enter_interrupt_mode();
+  void exit_interrupt_mode();
+  void reap();
+  void arm_wakeup();
+  void wake() noexcept;
+  static void on_wakeup(detail::io_op* op, int res, std::uint32_t flags) noexcept;
+
+  io_uring ring_{};
+  std::thread::id thread_;
+  options opts_;
+  std::deque<std::coroutine_handle<>> ready_;
+
+  std::mutex remote_mutex_;
+  detail::remote_op* remote_head_ = nullptr;
+  detail::remote_op* remote_tail_ = nullptr;
+  std::atomic<bool> remote_pending_{false};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> stop_requested_{false};
+
+  int wake_fd_ = -1;
+  std::uint64_t wake_buf_ = 0;
+  detail::io_op wake_op_{};
+
+  std::vector<poller*> pollers_;
+  std::uint64_t sqes_ = 0;
+  std::uint64_t sleeps_ = 0;
+};
+
+class io_context::schedule_awaitable : private detail::remote_op {
+ public:
+  explicit schedule_awaitable(io_context& ctx) noexcept : ctx_(ctx) {}
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) noexcept {
+    waiter_ = h;
+    if (ctx_.running_in_this_thread()) {
+      ctx_.post(h);  // yield: resume on a later turn
+    } else {
+      run = [](remote_op* self) noexcept {
+        static_cast<schedule_awaitable*>(self)->waiter_.resume();
+      };
+      ctx_.post_remote(this);
+    }
+  }
+  void await_resume() const noexcept {}
+
+ private:
+  io_context& ctx_;
+  std::coroutine_handle<> waiter_{};
+};
+
+inline io_context::schedule_awaitable io_context::schedule() noexcept {
+  return schedule_awaitable{*this};
+}
+
+// co_await yield(): let other ready coroutines and completions run.
+inline io_context::schedule_awaitable yield() { return io_context::current().schedule(); }
+
+template <class T>
+struct io_context::root_state {
+  std::optional<std::conditional_t<std::is_void_v<T>, bool, T>> value;
+  std::exception_ptr error;
+  bool done = false;
+};
+
+template <class T>
+detail::driver io_context::run_root(task<T> t, root_state<T>& st) {
+  try {
+    if constexpr (std::is_void_v<T>) {
+      co_await std::move(t);
+      st.value.emplace(true);
+    } else {
+      st.value.emplace(co_await std::move(t));
+    }
+  } catch (...) {
+    st.error = std::current_exception();
+  }
+}
+
+template <class T>
+T io_context::run(task<T> t) {
+  root_state<T> st;
+  detail::driver d = run_root(std::move(t), st);
+  d.on_done([](void* arg) noexcept -> std::coroutine_handle<> {
+    static_cast<root_state<T>*>(arg)->done = true;
+    return std::noop_coroutine();
+  }, &st, false);
+  d.start();
+  run_until(st.done);
+  if (st.error) std::rethrow_exception(st.error);
+  if constexpr (!std::is_void_v<T>) return std::move(*st.value);
+}
+
+// Runs `t` to completion on the calling thread's io_context (made for the
+// call if the thread has none).
+template <class T>
+T sync_wait(task<T> t) {
+  if (auto* ctx = io_context::current_or_null()) return ctx->run(std::move(t));
+  io_context ctx;
+  return ctx.run(std::move(t));
+}
+
+}  // namespace shuttle

@@ -1,0 +1,68 @@
+// result<T>: a value or a std::error_code. Every I/O operation returns one, so
+// hot paths never throw; value() throws std::system_error for callers who
+// prefer exceptions.
+#pragma once
+
+#include <string>
+#include <system_error>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <cerrno>
+
+namespace shuttle {
+
+template <class T>
+class [[nodiscard]] result {
+  static_assert(!std::is_reference_v<T>, "result<T&> is not supported");
+
+ public:
+  using value_type = T;
+
+  result() = default;  // an error-free empty result; value() on it is a bug
+  result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  result(std::error_code ec) : error_(ec) {}      // NOLINT: implicit by design
+
+  bool has_value() const noexcept { return !error_; }
+  explicit operator bool() const noexcept { return has_value(); }
+  const std::error_code& error() const noexcept { return error_; }
+
+  T& value() & { check(); return *value_; }
+  const T& value() const& { check(); return *value_; }
+  T&& value() && { check(); return std::move(*value_); }
+  T& operator*() & noexcept { return *value_; }
+  T&& operator*() && noexcept { return std::move(*value_); }
+  T* operator->() noexcept { return &*value_; }
+  const T* operator->() const noexcept { return &*value_; }
+
+ private:
+  void check() const {
+    if (error_) throw std::system_error(error_);
+  }
+  std::optional<T> value_{};
+  std::error_code error_{};
+};
+
+template <>
+class [[nodiscard]] result<void> {
+ public:
+  result() = default;
+  result(std::error_code ec) : error_(ec) {}  // NOLINT: implicit by design
+  bool has_value() const noexcept { return !error_; }
+  explicit operator bool() const noexcept { return has_value(); }
+  const std::error_code& error() const noexcept { return error_; }
+  void value() const {
+    if (error_) throw std::system_error(error_);
+  }
+
+ private:
+  std::error_code error_{};
+};
+
+// errno value -> error_code in the system category.
+inline std::error_code errno_code(int e) noexcept { return {e, std::system_category()}; }
+
+// Throws std::system_error carrying errno and a description of what was tried.
+[[noreturn]] void throw_errno(int e, const std::string& what);
+
+}  // namespace shuttle

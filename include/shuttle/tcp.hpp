@@ -1,0 +1,195 @@
+// TCP over the ring: listener (multishot accept), connect (cancellable, with
+// an optional timeout), read/write in every usual shape, socket options.
+// Each I/O call returns an awaitable yielding result<...>; errors are
+// std::error_code (system category, or shuttle::errc::eof for a short read).
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <netinet/in.h>
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include <shuttle/detail/uring_op.hpp>
+#include <shuttle/detail/wait_list.hpp>
+#include <shuttle/error.hpp>
+#include <shuttle/result.hpp>
+#include <shuttle/task.hpp>
+
+namespace shuttle {
+
+// An IPv4 or IPv6 address and port.
+class endpoint {
+ public:
+  endpoint() noexcept = default;
+  endpoint(const sockaddr* sa, socklen_t len) noexcept;
+  // "127.0.0.1:7000", "[::1]:7000", "0.0.0.0:0". No name lookup.
+  static result<endpoint> parse(std::string_view host_port);
+  // Numeric host or name (getaddrinfo: blocks; call at set-up, not on hot paths).
+  static result<endpoint> resolve(const std::string& host, std::uint16_t port);
+  static endpoint loopback(std::uint16_t port) noexcept;
+  static endpoint any(std::uint16_t port) noexcept;
+
+  const sockaddr* data() const noexcept { return reinterpret_cast<const sockaddr*>(&addr_); }
+  socklen_t size() const noexcept { return len_; }
+  int family() const noexcept { return addr_.ss_family; }
+  std::uint16_t port() const noexcept;
+  std::string to_string() const;
+
+ private:
+  sockaddr_storage addr_{};
+  socklen_t len_ = 0;
+};
+
+namespace detail {
+inline result<std::size_t> to_size(int res, std::uint32_t) noexcept {
+  if (res < 0) return errno_code(-res);
+  return static_cast<std::size_t>(res);
+}
+struct size_convert {
+  result<std::size_t> operator()(int res, std::uint32_t f) const noexcept { return to_size(res, f); }
+};
+template <class Prep>
+using io_awaitable = uring_awaitable<Prep, size_convert>;
+}  // namespace detail
+
+class tcp_socket {
+ public:
+  tcp_socket() noexcept = default;
+  explicit tcp_socket(int fd) noexcept : fd_(fd) {}
+  tcp_socket(tcp_socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  tcp_socket& operator=(tcp_socket&& o) noexcept;
+  tcp_socket(const tcp_socket&) = delete;
+  tcp_socket& operator=(const tcp_socket&) = delete;
+  ~tcp_socket() { close(); }
+
+  // co_await tcp_socket::connect(ep): cancellable through the task's stop token.
+  static task<result<tcp_socket>> connect(endpoint ep);
+  // Fails with std::errc::timed_out after `timeout`.
+  static task<result<tcp_socket>> connect(endpoint ep, std::chrono::nanoseconds timeout);
+
+  // One recv; 0 bytes means the peer closed its side.
+  auto read_some(std::span<std::byte> buf) {
+    int fd = fd_;
+    return detail::make_uring_awaitable(
+        io_context::current(),
+        [fd, buf](io_uring_sqe* sqe) { io_uring_prep_recv(sqe, fd, buf.data(), buf.size(), 0); },
+        detail::size_convert{});
+  }
+  // One send (MSG_NOSIGNAL: a dead peer is EPIPE, never SIGPIPE).
+  auto write_some(std::span<const std::byte> buf) {
+    int fd = fd_;
+    return detail::make_uring_awaitable(
+        io_context::current(),
+        [fd, buf](io_uring_sqe* sqe) { io_uring_prep_send(sqe, fd, buf.data(), buf.size(), MSG_NOSIGNAL); },
+        detail::size_convert{});
+  }
+  // Scatter/gather; `iov` must stay valid until the operation completes.
+  auto readv(std::span<const iovec> iov) { return msg_op(IORING_OP_RECVMSG, iov, 0); }
+  auto writev(std::span<const iovec> iov) { return msg_op(IORING_OP_SENDMSG, iov, MSG_NOSIGNAL); }
+
+  // Reads exactly buf.size() bytes; errc::eof if the peer closes first.
+  task<result<void>> read_exact(std::span<std::byte> buf);
+  // Writes all of buf, however many sends it takes.
+  task<result<void>> write_all(std::span<const std::byte> buf);
+  // Writes every byte of every buffer (the iovec array is copied).
+  task<result<void>> writev_all(std::span<const iovec> iov);
+
+  result<void> shutdown(int how = SHUT_WR) noexcept;
+  void close() noexcept;
+  bool is_open() const noexcept { return fd_ >= 0; }
+  int native_handle() const noexcept { return fd_; }
+  int release() noexcept { return std::exchange(fd_, -1); }
+
+  result<void> set_nodelay(bool on) noexcept;
+  result<void> set_keepalive(bool on) noexcept;
+  result<void> set_linger(bool on, int seconds) noexcept;  // on with 0: close sends RST
+  result<void> set_send_buffer(int bytes) noexcept;
+  result<void> set_receive_buffer(int bytes) noexcept;
+  result<void> set_option(int level, int name, const void* value, socklen_t len) noexcept;
+  result<endpoint> local_endpoint() const noexcept;
+  result<endpoint> remote_endpoint() const noexcept;
+
+ private:
+  struct msg_prep {
+    int fd;
+    std::uint8_t op;
+    unsigned flags;
+    msghdr msg;
+    void operator()(io_uring_sqe* sqe) {
+      io_uring_prep_rw(op, sqe, fd, &msg, 1, 0);
+      sqe->msg_flags = flags;
+    }
+  };
+  detail::io_awaitable<msg_prep> msg_op(std::uint8_t op, std::span<const iovec> iov, unsigned flags) {
+    msghdr m{};
+    m.msg_iov = const_cast<iovec*>(iov.data());
+    m.msg_iovlen = iov.size();
+    return {io_context::current(), msg_prep{fd_, op, flags, m}, {}};
+  }
+  int fd_ = -1;
+};
+
+class tcp_listener {
+ public:
+  struct options {
+    int backlog = 4096;
+    bool reuse_address = true;
+    bool reuse_port = false;  // one listener per thread on the same port
+  };
+
+  tcp_listener() noexcept = default;
+  tcp_listener(tcp_listener&& o) noexcept;
+  tcp_listener& operator=(tcp_listener&& o) noexcept;
+  ~tcp_listener();
+
+  // Binds and listens (synchronously: set-up may block and may throw nothing; errors come back).
+  static result<tcp_listener> bind(const endpoint& ep, options opts);
+  static result<tcp_listener> bind(const endpoint& ep) { return bind(ep, options{}); }
+
+  // co_await listener.accept(): result<tcp_socket>. Accepts are multishot
+  // underneath: one armed request serves every caller; connections that
+  // arrive with nobody waiting are queued. EMFILE and friends come back as
+  // errors (the caller backs off and calls again).
+  class accept_awaiter;
+  accept_awaiter accept();
+
+  result<endpoint> local_endpoint() const noexcept;
+  void close() noexcept;
+  bool is_open() const noexcept { return state_ != nullptr; }
+
+  struct state;
+
+ private:
+  explicit tcp_listener(state* s) noexcept : state_(s) {}
+  state* state_ = nullptr;
+};
+
+class tcp_listener::accept_awaiter {
+ public:
+  explicit accept_awaiter(state* s) noexcept : s_(s) {}
+  bool await_ready();
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    return park(h, detail::stop_token_of(h));
+  }
+  result<tcp_socket> await_resume();
+
+  struct node : detail::wait_node {
+    int fd = -1;
+    std::error_code error;
+    bool filled = false;
+  };
+
+ private:
+  bool park(std::coroutine_handle<> h, std::stop_token token);
+  state* s_;
+  node node_;
+};
+
+}  // namespace shuttle

@@ -1,0 +1,278 @@
+#include <shuttle/io_context.hpp>
+#include <shuttle/result.hpp>
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace shuttle {
+
+void throw_errno(int e, const std::string& what) {
+  throw std::system_error(errno_code(e), what);
+}
+
+namespace {
+thread_local io_context* current_context = nullptr;
+
+// Tries the fastest ring set-up first and falls back for older kernels:
+// DEFER_TASKRUN (6.1) runs completion work only when this thread enters the
+// ring, SINGLE_ISSUER (6.0) drops submission locking, COOP_TASKRUN (5.19)
+// avoids interrupting the thread with task work.
+void init_ring(io_uring& ring, unsigned entries) {
+  const unsigned attempts[] = {
+      IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
+      IORING_SETUP_COOP_TASKRUN,
+      0,
+  };
+  int err = 0;
+  for (unsigned flags : attempts) {
+    io_uring_params p{};
+    p.flags = flags | IORING_SETUP_CQSIZE;
+    p.cq_entries = entries * 4;
+    err = io_uring_queue_init_params(entries, &ring, &p);
+    if (err == 0) return;
+    if (err != -EINVAL) break;
+  }
+  throw_errno(-err, "io_uring_queue_init(" + std::to_string(entries) + " entries)");
+}
+}  // namespace
+
+io_context::io_context() : io_context(options{}) {}
+
+io_context::io_context(options opts) : thread_(std::this_thread::get_id()), opts_(opts) {
+  if (current_context)
+    throw std::logic_error("shuttle::io_context: this thread already has an io_context (one per thread)");
+  init_ring(ring_, opts_.sq_entries);
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) {
+    int e = errno;
+    io_uring_queue_exit(&ring_);
+    throw_errno(e, "eventfd");
+  }
+  wake_op_.complete = &on_wakeup;
+  arm_wakeup();
+  current_context = this;
+}
+
+io_context::~io_context() {
+  if (current_context == this) current_context = nullptr;
+  io_uring_queue_exit(&ring_);  // cancels what is still in flight
+  ::close(wake_fd_);
+}
+
+io_context& io_context::current() {
+  if (!current_context)
+    throw std::logic_error("shuttle: no io_context on this thread (create one, or run inside a runtime)");
+  return *current_context;
+}
+
+io_context* io_context::current_or_null() noexcept { return current_context; }
+
+bool io_context::running_in_this_thread() const noexcept {
+  return std::this_thread::get_id() == thread_;
+}
+
+io_uring_sqe* io_context::get_sqe() {
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (!sqe) {
+    int r = io_uring_submit(&ring_);
+    if (r < 0 && r != -EBUSY && r != -EAGAIN) throw_errno(-r, "io_uring_submit");
+    sqe = io_uring_get_sqe(&ring_);
+    if (!sqe) throw_errno(EBUSY, "io_uring: submission queue full");
+  }
+  ++sqes_;
+  return sqe;
+}
+
+void io_context::submit_cancel(const detail::io_op* target) {
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_cancel64(sqe, reinterpret_cast<std::uint64_t>(target), 0);
+  io_uring_sqe_set_data64(sqe, 0);  // its own completion is ignored
+}
+
+void io_context::post(std::coroutine_handle<> h) { ready_.push_back(h); }
+
+void io_context::post_remote(detail::remote_op* op) noexcept {
+  op->next = nullptr;
+  {
+    std::lock_guard lock(remote_mutex_);
+    if (remote_tail_)
+      remote_tail_->next = op;
+    else
+      remote_head_ = op;
+    remote_tail_ = op;
+  }
+  remote_pending_.store(true, std::memory_order_seq_cst);
+  if (sleeping_.load(std::memory_order_seq_cst)) wake();
+}
+
+namespace {
+struct function_op : detail::remote_op {
+  std::function<void()> fn;
+};
+}  // namespace
+
+void io_context::dispatch(std::function<void()> fn) {
+  auto* op = new function_op;
+  op->fn = std::move(fn);
+  op->run = [](detail::remote_op* r) noexcept {
+    std::unique_ptr<function_op> self(static_cast<function_op*>(r));
+    self->fn();
+  };
+  post_remote(op);
+}
+
+void io_context::stop() noexcept {
+  stop_requested_.store(true, std::memory_order_seq_cst);
+  wake();
+}
+
+void io_context::wake() noexcept {
+  std::uint64_t one = 1;
+  [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+}
+
+void io_context::arm_wakeup() {
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_read(sqe, wake_fd_, &wake_buf_, sizeof wake_buf_, 0);
+  io_uring_sqe_set_data(sqe, &wake_op_);
+}
+
+void io_context::on_wakeup(detail::io_op* op, int, std::uint32_t) noexcept {
+  auto* self = reinterpret_cast<io_context*>(reinterpret_cast<char*>(op) - offsetof(io_context, wake_op_));
+  self->arm_wakeup();
+}
+
+void io_context::add_poller(poller& p) { pollers_.push_back(&p); }
+
+void io_context::remove_poller(poller& p) noexcept {
+  pollers_.erase(std::remove(pollers_.begin(), pollers_.end(), &p), pollers_.end());
+}
+
+void io_context::run_ready() {
+  // Only what is ready now: coroutines posted while running wait a turn, so
+  // completions and remote work are not starved by a yielding loop.
+  for (std::size_t n = ready_.size(); n > 0 && !ready_.empty(); --n) {
+    auto h = ready_.front();
+    ready_.pop_front();
+    h.resume();
+  }
+}
+
+bool io_context::drain_remote() {
+  if (!remote_pending_.load(std::memory_order_acquire)) return false;
+  detail::remote_op* head;
+  {
+    std::lock_guard lock(remote_mutex_);
+    head = remote_head_;
+    remote_head_ = remote_tail_ = nullptr;
+    remote_pending_.store(false, std::memory_order_relaxed);
+  }
+  bool any = head != nullptr;
+  while (head) {
+    auto* next = head->next;
+    head->run(head);
+    head = next;
+  }
+  return any;
+}
+
+bool io_context::poll_pollers() {
+  bool any = false;
+  for (std::size_t i = 0; i < pollers_.size(); ++i) any |= pollers_[i]->poll();
+  return any;
+}
+
+bool io_context::enter_interrupt_mode() {
+  for (std::size_t i = 0; i < pollers_.size(); ++i) {
+    if (!pollers_[i]->try_enter_interrupt_mode()) {
+      for (std::size_t j = 0; j < i; ++j) pollers_[j]->exit_interrupt_mode();
+      return false;
+    }
+  }
+  return true;
+}
+
+void io_context::exit_interrupt_mode() {
+  for (auto* p : pollers_) p->exit_interrupt_mode();
+}
+
+void io_context::reap() {
+  io_uring_cqe* cqes[64];
+  struct completion {
+    std::uint64_t data;
+    int res;
+    std::uint32_t flags;
+  } batch[64];
+  for (;;) {
+    unsigned n = io_uring_peek_batch_cqe(&ring_, cqes, 64);
+    if (n == 0) return;
+    // Copy then advance first: a completion handler may submit and reap again.
+    for (unsigned i = 0; i < n; ++i) batch[i] = {cqes[i]->user_data, cqes[i]->res, cqes[i]->flags};
+    io_uring_cq_advance(&ring_, n);
+    for (unsigned i = 0; i < n; ++i) {
+      if (batch[i].data == 0) continue;
+      auto* op = reinterpret_cast<detail::io_op*>(batch[i].data);
+      op->complete(op, batch[i].res, batch[i].flags);
+    }
+  }
+}
+
+void io_context::run() {
+  bool never = false;
+  run_until(never);
+  stop_requested_.store(false);
+}
+
+void io_context::run_until(const bool& done) {
+  if (!running_in_this_thread())
+    throw std::logic_error("shuttle::io_context: run on a thread other than the one that created it");
+  struct current_guard {
+    io_context* previous = current_context;
+    explicit current_guard(io_context* c) { current_context = c; }
+    ~current_guard() { current_context = previous; }
+  } guard(this);
+
+  using clock = std::chrono::steady_clock;
+  auto last_work = clock::now();
+  while (!done && !stop_requested_.load(std::memory_order_relaxed)) {
+    run_ready();
+    bool work = drain_remote();
+    if (!pollers_.empty() && poll_pollers()) work = true;
+    if (done) break;
+    bool spinning = !pollers_.empty() && clock::now() - last_work < opts_.spin_budget;
+    if (work || !ready_.empty() || spinning) {
+      if (work) last_work = clock::now();
+      // Submit what is queued and run deferred completion work, no wait.
+      io_uring_submit_and_get_events(&ring_);
+      reap();
+      continue;
+    }
+    if (!pollers_.empty() && !enter_interrupt_mode()) {
+      last_work = clock::now();
+      continue;
+    }
+    // Announce the sleep, then look once more: a remote post that missed the
+    // flag is seen here, one that saw it writes the eventfd (Dekker).
+    sleeping_.store(true, std::memory_order_seq_cst);
+    if (remote_pending_.load(std::memory_order_seq_cst) || stop_requested_.load()) {
+      sleeping_.store(false, std::memory_order_relaxed);
+      if (!pollers_.empty()) exit_interrupt_mode();
+      continue;
+    }
+    ++sleeps_;
+    int r = io_uring_submit_and_wait(&ring_, 1);
+    sleeping_.store(false, std::memory_order_relaxed);
+    if (r < 0 && r != -EINTR && r != -ETIME && r != -EBUSY && r != -EAGAIN)
+      throw_errno(-r, "io_uring_submit_and_wait");
+    if (!pollers_.empty()) exit_interrupt_mode();
+    reap();
+    last_work = clock::now();
+  }
+}
+
+}  // namespace shuttle

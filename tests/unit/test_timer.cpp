@@ -1,0 +1,110 @@
+#include <doctest/doctest.h>
+
+#include <shuttle/shuttle.hpp>
+
+using namespace shuttle;
+using namespace std::chrono_literals;
+
+TEST_CASE("sleep_for waits at least the duration") {
+  io_context ctx;
+  auto start = clock::now();
+  auto r = ctx.run([]() -> task<result<void>> { co_return co_await sleep_for(20ms); }());
+  CHECK(r.has_value());
+  CHECK(clock::now() - start >= 20ms);
+}
+
+TEST_CASE("sleep_until in the past completes at once") {
+  io_context ctx;
+  auto r = ctx.run([]() -> task<result<void>> { co_return co_await sleep_until(clock::now() - 1s); }());
+  CHECK(r.has_value());
+}
+
+TEST_CASE("timers fire in deadline order") {
+  io_context ctx;
+  std::vector<int> order;
+  auto sleeper = [&](int ms) -> task<void> {
+    (void)co_await sleep_for(std::chrono::milliseconds(ms));
+    order.push_back(ms);
+  };
+  ctx.run(when_all(sleeper(30), sleeper(10), sleeper(20)));
+  CHECK(order == std::vector<int>{10, 20, 30});
+}
+
+TEST_CASE("with_timeout: the task wins") {
+  io_context ctx;
+  auto r = ctx.run(with_timeout([]() -> task<int> {
+    (void)co_await sleep_for(1ms);
+    co_return 7;
+  }(), 5s));
+  REQUIRE(r.has_value());
+  CHECK(*r == 7);
+}
+
+TEST_CASE("with_timeout: the timeout wins and the task is cancelled") {
+  io_context ctx;
+  bool cancelled = false;
+  auto start = clock::now();
+  auto r = ctx.run(with_timeout([&]() -> task<int> {
+    auto s = co_await sleep_for(10s);
+    cancelled = s.error() == std::errc::operation_canceled;
+    co_return 7;
+  }(), 10ms));
+  CHECK(r.error() == std::errc::timed_out);
+  CHECK(cancelled);
+  CHECK(clock::now() - start < 5s);
+}
+
+TEST_CASE("cancel before submit: an already stopped token never submits") {
+  io_context ctx;
+  async_scope scope;
+  scope.request_stop();
+  std::error_code ec;
+  auto before = ctx.submitted_sqes();
+  auto child = [&]() -> task<void> { ec = (co_await sleep_for(10s)).error(); };
+  scope.spawn(child());
+  ctx.run(scope.join());
+  CHECK(ec == std::errc::operation_canceled);
+  CHECK(ctx.submitted_sqes() == before);
+}
+
+TEST_CASE("cancel after completion has no effect") {
+  io_context ctx;
+  async_scope scope;
+  std::error_code ec = std::make_error_code(std::errc::io_error);
+  auto child = [&]() -> task<void> { ec = (co_await sleep_for(1ms)).error(); };
+  scope.spawn(child());
+  ctx.run([&]() -> task<void> {
+    (void)co_await sleep_for(20ms);
+    scope.request_stop();
+    co_await scope.join();
+  }());
+  CHECK_FALSE(ec);
+}
+
+TEST_CASE("cancel racing completion: every operation resumes exactly once") {
+  io_context ctx;
+  // Deadlines at the same instant as the cancel: some finish, some are
+  // cancelled; each must resume once with one of the two outcomes.
+  for (int round = 0; round < 20; ++round) {
+    async_scope scope;
+    int ok = 0, cancelled = 0, other = 0;
+    auto deadline = clock::now() + 2ms;
+    auto child = [&]() -> task<void> {
+      auto r = co_await sleep_until(deadline);
+      if (r)
+        ++ok;
+      else if (r.error() == std::errc::operation_canceled)
+        ++cancelled;
+      else
+        ++other;
+    };
+    for (int i = 0; i < 50; ++i) scope.spawn(child());
+    ctx.run([&]() -> task<void> {
+      (void)co_await sleep_until(deadline);
+      scope.request_stop();
+      co_await scope.join();
+    }());
+    CHECK(ok + cancelled == 50);
+    CHECK(other == 0);
+  }
+}
