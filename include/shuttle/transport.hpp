@@ -1,0 +1,230 @@
+// The transport-neutral RDMA API. Applications are written once against it;
+// two providers implement it:
+//
+//  - verbs: rdma-core (libibverbs + librdmacm), RC queue pairs, real NICs and
+//    Soft-RoCE;
+//  - tcp: a user-space provider with RC semantics over TCP sockets, for
+//    machines without an RDMA device (the default there).
+//
+// The model is the verbs one. A domain (a protection domain) owns memory
+// registrations; a connection (an RC queue pair) offers two-sided send/recv
+// and one-sided write, write_with_imm, read and 64-bit atomics on memory the
+// peer registered and described to us with a remote_buffer.
+//
+// Ordering and errors follow RC rules on both providers: operations on one
+// connection are delivered in order; an error completes the failing
+// operation with an error_code, moves the connection to an error state and
+// fails every pending and later operation (errc::disconnected). A one-sided
+// access that the target refuses (unknown rkey, out of bounds, missing
+// rights) fails on the initiator with errc::remote_access_error; the target
+// is never touched outside its registered regions.
+//
+// Cancellation (the awaiting task's stop token) is NIC-safe: a cancelled
+// operation resumes only when the provider guarantees that nothing will
+// touch its buffers any more. On verbs a work request already handed to the
+// NIC cannot be withdrawn alone, so cancelling one moves the connection to
+// the error state and waits for the flushed completion: the connection is
+// then unusable (errc::disconnected). An operation still waiting for a
+// send-queue slot or a credit is cancelled alone.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include <shuttle/error.hpp>
+#include <shuttle/result.hpp>
+#include <shuttle/task.hpp>
+#include <shuttle/tcp.hpp>  // endpoint
+
+namespace shuttle {
+
+enum class transport_kind { automatic, tcp, verbs };
+const char* to_string(transport_kind k) noexcept;
+// "tcp", "verbs" (also "rdma"), "auto"; anything else is an error.
+result<transport_kind> parse_transport_kind(std::string_view s);
+
+// Access rights of a registration (ibv_access_flags values).
+namespace access {
+inline constexpr unsigned local_write = 1u << 0;
+inline constexpr unsigned remote_write = 1u << 1;
+inline constexpr unsigned remote_read = 1u << 2;
+inline constexpr unsigned remote_atomic = 1u << 3;
+inline constexpr unsigned all = local_write | remote_write | remote_read | remote_atomic;
+}  // namespace access
+
+// Where a peer's memory is: what the target sends the initiator so that it
+// can write, read or apply atomics there.
+struct remote_buffer {
+  std::uint64_t address = 0;
+  std::uint32_t rkey = 0;
+  std::uint64_t length = 0;
+
+  static constexpr std::size_t wire_size = 20;  // little-endian address, rkey, length
+  void serialize(std::span<std::byte, wire_size> out) const noexcept;
+  static remote_buffer deserialize(std::span<const std::byte, wire_size> in) noexcept;
+  // A sub-range; std::errc::result_out_of_range if it is not inside this one.
+  result<remote_buffer> slice(std::uint64_t offset, std::uint64_t len) const noexcept;
+};
+
+namespace detail {
+class region_impl;
+class connection_impl;
+class listener_impl;
+class domain_impl;
+}  // namespace detail
+
+// A registered memory range (ibv_mr). Deregistered when the last copy goes.
+class memory_region {
+ public:
+  memory_region() noexcept = default;
+  explicit memory_region(std::shared_ptr<detail::region_impl> impl) noexcept : impl_(std::move(impl)) {}
+
+  std::byte* data() const noexcept;
+  std::size_t size() const noexcept;
+  unsigned access() const noexcept;
+  std::uint32_t lkey() const noexcept;
+  std::uint32_t rkey() const noexcept;
+  // The descriptor a peer needs for one-sided access to [offset, offset+len).
+  remote_buffer remote(std::size_t offset = 0, std::size_t len = SIZE_MAX) const noexcept;
+  explicit operator bool() const noexcept { return static_cast<bool>(impl_); }
+  const std::shared_ptr<detail::region_impl>& impl() const noexcept { return impl_; }
+
+ private:
+  std::shared_ptr<detail::region_impl> impl_;
+};
+
+// A received message. Its buffer belongs to the connection's receive pool
+// and is posted again when the message is destroyed.
+class message {
+ public:
+  using release_fn = void (*)(void* owner, std::uint64_t slot) noexcept;
+  message() noexcept = default;
+  message(std::span<const std::byte> data, std::optional<std::uint32_t> imm, release_fn release, void* owner,
+          std::uint64_t slot) noexcept
+      : data_(data), imm_(imm), release_(release), owner_(owner), slot_(slot) {}
+  message(message&& o) noexcept { *this = std::move(o); }
+  message& operator=(message&& o) noexcept {
+    if (this != &o) {
+      reset();
+      data_ = o.data_;
+      imm_ = o.imm_;
+      release_ = std::exchange(o.release_, nullptr);
+      owner_ = o.owner_;
+      slot_ = o.slot_;
+    }
+    return *this;
+  }
+  ~message() { reset(); }
+
+  std::span<const std::byte> data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return data_.size(); }
+  // The immediate of a write_with_imm (or a send with immediate).
+  std::optional<std::uint32_t> imm() const noexcept { return imm_; }
+  void reset() noexcept {
+    if (release_) std::exchange(release_, nullptr)(owner_, slot_);
+  }
+
+ private:
+  std::span<const std::byte> data_{};
+  std::optional<std::uint32_t> imm_{};
+  release_fn release_ = nullptr;
+  void* owner_ = nullptr;
+  std::uint64_t slot_ = 0;
+};
+
+struct connection_options {
+  std::uint32_t send_queue_depth = 128;     // operations in flight; more wait for a slot
+  std::uint32_t receive_buffers = 64;       // posted receives (and so the peer's send credits)
+  std::size_t receive_buffer_size = 65536;  // largest message accepted by send/recv
+  std::uint32_t max_inline_data = 64;       // sends up to this size go inline (verbs)
+  bool shared_receive_queue = false;        // verbs: one SRQ for the domain's connections
+  std::chrono::milliseconds connect_timeout{5000};
+};
+
+class connection {
+ public:
+  connection() noexcept;
+  explicit connection(std::unique_ptr<detail::connection_impl> impl) noexcept;
+  connection(connection&&) noexcept;
+  connection& operator=(connection&&) noexcept;
+  ~connection();  // aborts: pending operations fail, resources are freed
+
+  // Two-sided. `msg` may be any memory: it is sent from a registration that
+  // covers it (found in the domain's cache, registered on first use) or,
+  // when small, inline. At most max_message_size() bytes.
+  task<result<void>> send(std::span<const std::byte> msg);
+  task<result<message>> recv();
+
+  // One-sided. Local memory is registered through the domain's cache.
+  task<result<void>> write(std::span<const std::byte> local, remote_buffer remote);
+  task<result<void>> write_with_imm(std::span<const std::byte> local, remote_buffer remote, std::uint32_t imm);
+  task<result<void>> read(std::span<std::byte> local, remote_buffer remote);
+  // 8-byte aligned remote word; both return the value found there before.
+  task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected, std::uint64_t desired);
+  task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add);
+
+  // Graceful disconnect: waits for what is in flight, then tells the peer.
+  task<result<void>> close();
+
+  bool is_open() const noexcept;
+  transport_kind kind() const noexcept;
+  std::size_t max_message_size() const noexcept;
+  endpoint remote_endpoint() const noexcept;
+  detail::connection_impl* impl() const noexcept { return impl_.get(); }
+
+ private:
+  std::unique_ptr<detail::connection_impl> impl_;
+};
+
+class listener {
+ public:
+  listener() noexcept;
+  explicit listener(std::unique_ptr<detail::listener_impl> impl) noexcept;
+  listener(listener&&) noexcept;
+  listener& operator=(listener&&) noexcept;
+  ~listener();
+
+  task<result<connection>> accept();
+  endpoint local_endpoint() const;
+  void close() noexcept;
+
+ private:
+  std::unique_ptr<detail::listener_impl> impl_;
+};
+
+struct domain_options {
+  transport_kind kind = transport_kind::automatic;  // SHUTTLE_TRANSPORT overrides automatic
+  std::string device;                               // verbs: "rxe0"; empty: the first active one
+  int gid_index = -1;                               // verbs: -1 finds the RoCE v2 IPv4-mapped GID
+};
+
+// A protection domain of one provider, owned by one io_context's thread.
+class domain {
+ public:
+  // automatic: verbs when an active RDMA device exists, else tcp.
+  static result<domain> open(domain_options opts = {});
+
+  transport_kind kind() const noexcept;
+  std::string describe() const;
+
+  // Registers memory for access by peers (and locally). Repeated
+  // registrations of a range already registered with these rights are served
+  // from the domain's cache.
+  result<memory_region> register_memory(std::span<std::byte> mem, unsigned access_flags);
+
+  task<result<connection>> connect(endpoint remote, connection_options opts = {});
+  result<listener> listen(endpoint local, connection_options opts = {});
+
+  detail::domain_impl* impl() const noexcept { return impl_.get(); }
+
+ private:
+  explicit domain(std::shared_ptr<detail::domain_impl> impl) noexcept : impl_(std::move(impl)) {}
+  std::shared_ptr<detail::domain_impl> impl_;
+};
+
+}  // namespace shuttle

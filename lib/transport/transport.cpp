@@ -1,0 +1,160 @@
+// The provider-neutral front: wrappers that forward to the provider, and the
+// choice of provider.
+#include <shuttle/detail/transport_impl.hpp>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace shuttle {
+
+const char* to_string(transport_kind k) noexcept {
+  switch (k) {
+    case transport_kind::automatic: return "auto";
+    case transport_kind::tcp: return "tcp";
+    case transport_kind::verbs: return "verbs";
+  }
+  return "?";
+}
+
+result<transport_kind> parse_transport_kind(std::string_view s) {
+  if (s == "auto" || s.empty()) return transport_kind::automatic;
+  if (s == "tcp") return transport_kind::tcp;
+  if (s == "verbs" || s == "rdma") return transport_kind::verbs;
+  return std::make_error_code(std::errc::invalid_argument);
+}
+
+// ---------------------------------------------------------------- remote_buffer
+
+namespace {
+void put_le(std::byte* p, std::uint64_t v, int n) noexcept {
+  for (int i = 0; i < n; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
+}
+std::uint64_t get_le(const std::byte* p, int n) noexcept {
+  std::uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= std::uint64_t(std::to_integer<std::uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+}  // namespace
+
+void remote_buffer::serialize(std::span<std::byte, wire_size> out) const noexcept {
+  put_le(out.data(), address, 8);
+  put_le(out.data() + 8, rkey, 4);
+  put_le(out.data() + 12, length, 8);
+}
+
+remote_buffer remote_buffer::deserialize(std::span<const std::byte, wire_size> in) noexcept {
+  return {get_le(in.data(), 8), static_cast<std::uint32_t>(get_le(in.data() + 8, 4)), get_le(in.data() + 12, 8)};
+}
+
+result<remote_buffer> remote_buffer::slice(std::uint64_t offset, std::uint64_t len) const noexcept {
+  if (offset > length || len > length - offset) return std::make_error_code(std::errc::result_out_of_range);
+  return remote_buffer{address + offset, rkey, len};
+}
+
+// ---------------------------------------------------------------- memory_region
+
+std::byte* memory_region::data() const noexcept { return impl_ ? impl_->addr : nullptr; }
+std::size_t memory_region::size() const noexcept { return impl_ ? impl_->length : 0; }
+unsigned memory_region::access() const noexcept { return impl_ ? impl_->access : 0; }
+std::uint32_t memory_region::lkey() const noexcept { return impl_ ? impl_->lkey : 0; }
+std::uint32_t memory_region::rkey() const noexcept { return impl_ ? impl_->rkey : 0; }
+
+remote_buffer memory_region::remote(std::size_t offset, std::size_t len) const noexcept {
+  if (!impl_ || offset > impl_->length) return {};
+  len = std::min(len, impl_->length - offset);
+  return {reinterpret_cast<std::uint64_t>(impl_->addr) + offset, impl_->rkey, len};
+}
+
+// ---------------------------------------------------------------- connection
+
+namespace {
+template <class T>
+task<result<T>> not_connected() {
+  co_return make_error_code(errc::disconnected);
+}
+}  // namespace
+
+connection::connection() noexcept = default;
+connection::connection(std::unique_ptr<detail::connection_impl> impl) noexcept : impl_(std::move(impl)) {}
+connection::connection(connection&&) noexcept = default;
+connection& connection::operator=(connection&&) noexcept = default;
+connection::~connection() = default;
+
+task<result<void>> connection::send(std::span<const std::byte> msg) {
+  return impl_ ? impl_->send(msg) : not_connected<void>();
+}
+task<result<message>> connection::recv() { return impl_ ? impl_->recv() : not_connected<message>(); }
+task<result<void>> connection::write(std::span<const std::byte> local, remote_buffer remote) {
+  return impl_ ? impl_->write(local, remote) : not_connected<void>();
+}
+task<result<void>> connection::write_with_imm(std::span<const std::byte> local, remote_buffer remote,
+                                              std::uint32_t imm) {
+  return impl_ ? impl_->write_with_imm(local, remote, imm) : not_connected<void>();
+}
+task<result<void>> connection::read(std::span<std::byte> local, remote_buffer remote) {
+  return impl_ ? impl_->read(local, remote) : not_connected<void>();
+}
+task<result<std::uint64_t>> connection::compare_and_swap(remote_buffer remote, std::uint64_t expected,
+                                                         std::uint64_t desired) {
+  return impl_ ? impl_->compare_and_swap(remote, expected, desired) : not_connected<std::uint64_t>();
+}
+task<result<std::uint64_t>> connection::fetch_and_add(remote_buffer remote, std::uint64_t add) {
+  return impl_ ? impl_->fetch_and_add(remote, add) : not_connected<std::uint64_t>();
+}
+task<result<void>> connection::close() { return impl_ ? impl_->close() : not_connected<void>(); }
+bool connection::is_open() const noexcept { return impl_ && impl_->is_open(); }
+transport_kind connection::kind() const noexcept { return impl_ ? impl_->kind() : transport_kind::automatic; }
+std::size_t connection::max_message_size() const noexcept { return impl_ ? impl_->max_message_size() : 0; }
+endpoint connection::remote_endpoint() const noexcept { return impl_ ? impl_->remote_endpoint() : endpoint{}; }
+
+// ---------------------------------------------------------------- listener
+
+listener::listener() noexcept = default;
+listener::listener(std::unique_ptr<detail::listener_impl> impl) noexcept : impl_(std::move(impl)) {}
+listener::listener(listener&&) noexcept = default;
+listener& listener::operator=(listener&&) noexcept = default;
+listener::~listener() = default;
+
+task<result<connection>> listener::accept() {
+  if (!impl_) return not_connected<connection>();
+  return impl_->accept();
+}
+endpoint listener::local_endpoint() const { return impl_ ? impl_->local_endpoint() : endpoint{}; }
+void listener::close() noexcept {
+  if (impl_) impl_->close();
+}
+
+// ---------------------------------------------------------------- domain
+
+result<domain> domain::open(domain_options opts) {
+  if (opts.kind == transport_kind::automatic) {
+    if (const char* env = std::getenv("SHUTTLE_TRANSPORT")) {
+      auto k = parse_transport_kind(env);
+      if (!k) return k.error();
+      opts.kind = *k;
+    }
+  }
+  if (opts.kind == transport_kind::verbs) {
+    auto d = detail::make_verbs_domain(opts);
+    if (!d) return d.error();
+    return domain(std::move(*d));
+  }
+  if (opts.kind == transport_kind::automatic) {
+    if (auto d = detail::make_verbs_domain(opts)) return domain(std::move(*d));
+  }
+  auto d = detail::make_tcp_domain(opts);
+  if (!d) return d.error();
+  return domain(std::move(*d));
+}
+
+transport_kind domain::kind() const noexcept { return impl_->kind(); }
+std::string domain::describe() const { return impl_->describe(); }
+result<memory_region> domain::register_memory(std::span<std::byte> mem, unsigned access_flags) {
+  return impl_->register_memory(mem, access_flags);
+}
+task<result<connection>> domain::connect(endpoint remote, connection_options opts) {
+  return impl_->connect(remote, opts);
+}
+result<listener> domain::listen(endpoint local, connection_options opts) { return impl_->listen(local, opts); }
+
+}  // namespace shuttle

@@ -1,0 +1,10 @@
+// Built when shuttle has no verbs provider: opening one says so.
+#include <shuttle/detail/transport_impl.hpp>
+
+namespace shuttle::detail {
+
+result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options&) {
+  return make_error_code(errc::not_supported);
+}
+
+}  // namespace shuttle::detail
