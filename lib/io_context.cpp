@@ -96,18 +96,24 @@ void io_context::submit_cancel(const detail::io_op* target) {
 
 void io_context::post(std::coroutine_handle<> h) { ready_.push_back(h); }
 
+// The first post into an empty queue writes the eventfd, whether the loop
+// sleeps or not: that keeps the loop's own path free of fences (no "I am
+// about to sleep" flag to publish) at the price of one write per batch of
+// remote posts.
 void io_context::post_remote(detail::remote_op* op) noexcept {
   op->next = nullptr;
+  bool was_empty;
   {
     std::lock_guard lock(remote_mutex_);
+    was_empty = remote_head_ == nullptr;
     if (remote_tail_)
       remote_tail_->next = op;
     else
       remote_head_ = op;
     remote_tail_ = op;
+    remote_pending_.store(true, std::memory_order_release);
   }
-  remote_pending_.store(true, std::memory_order_seq_cst);
-  if (sleeping_.load(std::memory_order_seq_cst)) wake();
+  if (was_empty) wake();
 }
 
 namespace {
@@ -256,17 +262,10 @@ void io_context::run_until(const bool& done) {
       last_work = clock::now();
       continue;
     }
-    // Announce the sleep, then look once more: a remote post that missed the
-    // flag is seen here, one that saw it writes the eventfd (Dekker).
-    sleeping_.store(true, std::memory_order_seq_cst);
-    if (remote_pending_.load(std::memory_order_seq_cst) || stop_requested_.load()) {
-      sleeping_.store(false, std::memory_order_relaxed);
-      if (!pollers_.empty()) exit_interrupt_mode();
-      continue;
-    }
+    // Remote posts and stop() write the eventfd, whose read is always armed:
+    // sleeping here cannot miss them.
     ++sleeps_;
     int r = io_uring_submit_and_wait(&ring_, 1);
-    sleeping_.store(false, std::memory_order_relaxed);
     if (r < 0 && r != -EINTR && r != -ETIME && r != -EBUSY && r != -EAGAIN)
       throw_errno(-r, "io_uring_submit_and_wait");
     if (!pollers_.empty()) exit_interrupt_mode();

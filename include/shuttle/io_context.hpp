@@ -114,7 +114,6 @@ class io_context {
   detail::remote_op* remote_head_ = nullptr;
   detail::remote_op* remote_tail_ = nullptr;
   std::atomic<bool> remote_pending_{false};
-  std::atomic<bool> sleeping_{false};
   std::atomic<bool> stop_requested_{false};
 
   int wake_fd_ = -1;

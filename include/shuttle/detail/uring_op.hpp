@@ -69,6 +69,10 @@ class uring_op_base : protected io_op, protected remote_op {
     self->res_ = res;
     self->cqe_flags_ = flags;
     self->done_ = true;
+    if (!self->stop_cb_) {
+      self->waiter_.resume();  // nobody else can hold a reference
+      return;
+    }
     // Blocks while a callback runs on another thread; none runs after it.
     self->stop_cb_.reset();
     self->release();
