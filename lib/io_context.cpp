@@ -62,6 +62,11 @@ io_context::~io_context() {
   if (current_context == this) current_context = nullptr;
   io_uring_queue_exit(&ring_);  // cancels what is still in flight
   ::close(wake_fd_);
+  while (orphans_) {
+    auto* o = orphans_;
+    forget_orphan(o);
+    delete o;
+  }
 }
 
 io_context& io_context::current() {
@@ -151,6 +156,22 @@ void io_context::arm_wakeup() {
 void io_context::on_wakeup(detail::io_op* op, int, std::uint32_t) noexcept {
   auto* self = reinterpret_cast<io_context*>(reinterpret_cast<char*>(op) - offsetof(io_context, wake_op_));
   self->arm_wakeup();
+}
+
+void io_context::adopt_orphan(detail::orphan_op* op) noexcept {
+  op->orphan_prev = nullptr;
+  op->orphan_next = orphans_;
+  if (orphans_) orphans_->orphan_prev = op;
+  orphans_ = op;
+}
+
+void io_context::forget_orphan(detail::orphan_op* op) noexcept {
+  if (op->orphan_prev)
+    op->orphan_prev->orphan_next = op->orphan_next;
+  else
+    orphans_ = op->orphan_next;
+  if (op->orphan_next) op->orphan_next->orphan_prev = op->orphan_prev;
+  op->orphan_prev = op->orphan_next = nullptr;
 }
 
 void io_context::add_poller(poller& p) { pollers_.push_back(&p); }

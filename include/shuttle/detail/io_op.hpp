@@ -13,6 +13,16 @@ struct io_op {
   complete_fn complete = nullptr;
 };
 
+// An operation whose owner is gone but whose kernel request may still
+// complete (a listener closed while its multishot accept is armed). The
+// context keeps it on a list and frees it if the ring is torn down first, so
+// nothing leaks whichever comes first.
+struct orphan_op : io_op {
+  virtual ~orphan_op() = default;
+  orphan_op* orphan_prev = nullptr;
+  orphan_op* orphan_next = nullptr;
+};
+
 // Work handed to a loop from another thread, queued intrusively (no allocation
 // when the node lives in the operation).
 struct remote_op {

@@ -1,0 +1,82 @@
+// Verbs-specific public API: device listing, the 'verbs' error category for
+// work-completion status (ibv_wc_status), and CQ polling policy. The
+// transport-neutral API is shuttle/transport.hpp; this header adds what only
+// the verbs provider has. It compiles and works without rdma-core (no device).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <shuttle/error.hpp>
+#include <shuttle/result.hpp>
+
+namespace shuttle {
+class domain;
+}
+
+namespace shuttle::verbs {
+
+struct gid_info {
+  int index = 0;
+  std::string gid;        // "::ffff:192.168.77.1", "fe80::..."
+  std::string type;       // "IB/RoCE v1", "RoCE v2"
+  bool ipv4_mapped = false;
+};
+
+struct port_info {
+  int port = 1;
+  bool active = false;
+  std::string state;       // ibv_port_state_str
+  std::string link_layer;  // "Ethernet", "InfiniBand"
+  int active_mtu = 0;      // bytes
+  std::vector<gid_info> gids;  // non-zero entries only
+  int ipv4_gid_index = -1;     // the RoCE v2 IPv4-mapped GID, -1 if none
+};
+
+struct device_info {
+  std::string name;
+  std::string node_guid;
+  int max_qp = 0, max_qp_wr = 0, max_cq = 0, max_cqe = 0, max_mr = 0, max_qp_rd_atom = 0, max_srq = 0;
+  std::uint64_t max_mr_size = 0;
+  bool atomics = false;
+  std::vector<port_info> ports;
+};
+
+// Every RDMA device of this host (empty when there is none, or when shuttle
+// was built without rdma-core). Opens each device briefly.
+result<std::vector<device_info>> list_devices();
+// Human-readable summary; "no RDMA device" when the list is empty.
+std::string describe_devices();
+
+// The 'verbs' category: values are ibv_wc_status, messages ibv_wc_status_str.
+// Equivalences (error_condition in shuttle's category): REM_ACCESS_ERR ->
+// errc::remote_access_error, REM_OP_ERR -> errc::remote_operation_error,
+// WR_FLUSH_ERR / RETRY_EXC_ERR / RNR_RETRY_EXC_ERR -> errc::disconnected.
+const std::error_category& category() noexcept;
+std::error_code make_wc_error(int ibv_wc_status) noexcept;
+
+// true when `ec` is `e` or a verbs code equivalent to it. (shuttle::errc is an
+// error *code* enum, so `ec == errc::x` compares strictly; use this, or compare
+// with shuttle::verbs::condition(e).)
+std::error_condition condition(shuttle::errc e) noexcept;
+bool matches(const std::error_code& ec, shuttle::errc e) noexcept;
+
+// CQ policy of a verbs domain: after its last completion, the domain's CQ
+// poller keeps the loop busy-polling for `budget` while operations are in
+// flight, then arms ibv_req_notify_cq and lets the loop sleep.
+// errc::not_supported for a non-verbs domain.
+result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget);
+
+struct domain_stats {
+  std::uint64_t completions = 0;     // work completions reaped
+  std::uint64_t cq_events = 0;       // completion-channel wake-ups
+  std::uint64_t registrations = 0;   // ibv_reg_mr calls
+  std::uint64_t cache_hits = 0;      // operations served by the registration cache
+  std::size_t live_connections = 0;  // QPs not destroyed yet (incl. draining)
+};
+result<domain_stats> stats(const domain& d);
+
+}  // namespace shuttle::verbs

@@ -1,0 +1,23 @@
+#!/bin/bash
+# Installs the Debian 12 packages shuttle needs, only those missing (fast
+# when everything is there). Run as root.
+set -euo pipefail
+packages=(
+  g++ clang libclang-rt-14-dev meson ninja-build pkg-config python3 netcat-openbsd
+  liburing-dev libibverbs-dev librdmacm-dev libboost-dev doctest-dev
+  # Soft-RoCE guest for the verbs tests (tests/softrdma/guest-run.sh)
+  qemu-system-x86 busybox-static kmod cpio xz-utils iproute2
+  rdma-core ibverbs-providers ibverbs-utils rdmacm-utils perftest
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# The guest harness downloads the kernel package with apt: it needs the lists.
+ls /var/lib/apt/lists/*_Packages >/dev/null 2>&1 || apt-get update -qq

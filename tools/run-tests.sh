@@ -1,0 +1,36 @@
+#!/bin/bash
+# The test command: installs what is missing, then builds and runs every test
+# in three configurations:
+#   build-ci     g++, all suites (unit, transport, verbs in the Soft-RoCE guest, fuzz)
+#   build-asan   g++ with ASan+UBSan, the same suites but fuzz
+#   build-tsan   clang with TSan, the multi-threaded suites
+# Exit status: non-zero if any suite failed. Skips (exit 77) are reported by meson.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install-deps.sh
+jobs=$(nproc)
+status=0
+
+configure() {  # dir, then meson options
+  local dir=$1; shift
+  if [ -d "$dir" ]; then meson setup --reconfigure "$dir" "$@" >/dev/null
+  else meson setup "$dir" "$@" >/dev/null; fi
+  ninja -C "$dir" -j "$jobs"
+}
+run_suites() {  # dir, then meson test options
+  local dir=$1; shift
+  echo "=== meson test in $dir $*"
+  meson test -C "$dir" --print-errorlogs --num-processes "$jobs" "$@" || status=1
+}
+
+configure build-ci --buildtype=debugoptimized
+run_suites build-ci
+
+configure build-asan --buildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false -Dbench=false
+run_suites build-asan --no-suite fuzz
+
+CC=clang CXX=clang++ configure build-tsan --buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dbench=false
+TSAN_OPTIONS=halt_on_error=1 run_suites build-tsan --suite threads
+
+if [ $status -eq 0 ]; then echo "run-tests: all suites passed"; else echo "run-tests: FAILURES (see above)"; fi
+exit $status
