@@ -36,7 +36,7 @@ runtime::runtime(std::size_t threads, io_context::options opts) {
     auto w = std::make_unique<worker>();
     worker* wp = w.get();
     workers_.push_back(std::move(w));
-    wp->thread = std::thread([wp, opts, &started] {
+    wp->thread = std::thread([wp, opts, &started, released = &released_] {
       std::unique_ptr<io_context> ctx;
       try {
         ctx = std::make_unique<io_context>(opts);
@@ -52,6 +52,8 @@ runtime::runtime(std::size_t threads, io_context::options opts) {
       } catch (const std::exception& e) {
         std::fprintf(stderr, "shuttle::runtime: a spawned task failed: %s\n", e.what());
       }
+      // join() may still be signalling this context: keep it alive until then.
+      released->wait(false);
     });
   }
   started.wait();
@@ -61,6 +63,8 @@ runtime::runtime(std::size_t threads, io_context::options opts) {
       std::exception_ptr e = w->start_error;
       for (auto& x : workers_)
         if (x->ctx) x->ctx->stop();
+      released_.store(true);
+      released_.notify_all();
       for (auto& x : workers_) x->thread.join();
       joined_ = true;
       std::rethrow_exception(e);
@@ -105,6 +109,8 @@ void runtime::join() {
   // Each loop leaves run(), then its thread runs it again until the tasks
   // spawned on it have finished (see the thread body).
   for (auto& w : workers_) w->ctx->stop();
+  released_.store(true);
+  released_.notify_all();
   for (auto& w : workers_) w->thread.join();
 }
 

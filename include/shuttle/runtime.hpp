@@ -3,6 +3,7 @@
 // `co_await rt.context(i).schedule()`.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <future>
 #include <memory>
@@ -59,6 +60,7 @@ class runtime {
     }
   }
   std::vector<std::unique_ptr<worker>> workers_;
+  std::atomic<bool> released_{false};  // join() finished signalling the contexts
   bool joined_ = false;
 };
 
