@@ -160,10 +160,24 @@ inline io_context::schedule_awaitable io_context::schedule() noexcept {
 inline io_context::schedule_awaitable yield() { return io_context::current().schedule(); }
 
 template <class T>
-struct io_context::root_state {
+struct io_context::root_state : detail::remote_op {
   std::optional<std::conditional_t<std::is_void_v<T>, bool, T>> value;
   std::exception_ptr error;
+  io_context* ctx = nullptr;
   bool done = false;
+
+  // The task may finish on another thread (it hopped there): the loop that
+  // runs it learns of it through its remote queue.
+  static std::coroutine_handle<> finish(void* arg) noexcept {
+    auto* st = static_cast<root_state*>(arg);
+    if (st->ctx->running_in_this_thread()) {
+      st->done = true;
+    } else {
+      st->run = [](detail::remote_op* r) noexcept { static_cast<root_state*>(r)->done = true; };
+      st->ctx->post_remote(st);
+    }
+    return std::noop_coroutine();
+  }
 };
 
 template <class T>
@@ -183,11 +197,9 @@ detail::driver io_context::run_root(task<T> t, root_state<T>& st) {
 template <class T>
 T io_context::run(task<T> t) {
   root_state<T> st;
+  st.ctx = this;
   detail::driver d = run_root(std::move(t), st);
-  d.on_done([](void* arg) noexcept -> std::coroutine_handle<> {
-    static_cast<root_state<T>*>(arg)->done = true;
-    return std::noop_coroutine();
-  }, &st, false);
+  d.on_done(&root_state<T>::finish, &st, false);
   d.start();
   run_until(st.done);
   if (st.error) std::rethrow_exception(st.error);
