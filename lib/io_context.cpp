@@ -104,20 +104,18 @@ void io_context::post(std::coroutine_handle<> h) { ready_.push_back(h); }
 // The first post into an empty queue writes the eventfd, whether the loop
 // sleeps or not: that keeps the loop's own path free of fences (no "I am
 // about to sleep" flag to publish) at the price of one write per batch of
-// remote posts.
+// remote posts. The write happens under the lock: once the loop can take the
+// operation it may finish and be destroyed, and the eventfd with it.
 void io_context::post_remote(detail::remote_op* op) noexcept {
   op->next = nullptr;
-  bool was_empty;
-  {
-    std::lock_guard lock(remote_mutex_);
-    was_empty = remote_head_ == nullptr;
-    if (remote_tail_)
-      remote_tail_->next = op;
-    else
-      remote_head_ = op;
-    remote_tail_ = op;
-    remote_pending_.store(true, std::memory_order_release);
-  }
+  std::lock_guard lock(remote_mutex_);
+  bool was_empty = remote_head_ == nullptr;
+  if (remote_tail_)
+    remote_tail_->next = op;
+  else
+    remote_head_ = op;
+  remote_tail_ = op;
+  remote_pending_.store(true, std::memory_order_release);
   if (was_empty) wake();
 }
 
