@@ -48,6 +48,7 @@ class runtime {
   struct worker;
   template <class T>
   static task<void> fulfil(task<T> t, std::promise<T> p) {
+    std::exception_ptr error;
     try {
       if constexpr (std::is_void_v<T>) {
         co_await std::move(t);
@@ -56,7 +57,13 @@ class runtime {
         p.set_value(co_await std::move(t));
       }
     } catch (...) {
-      p.set_exception(std::current_exception());
+      error = std::current_exception();
+    }
+    if (error) {
+      // Drop this thread's references first: the waiting thread then owns
+      // the exception alone.
+      t = task<T>{};
+      p.set_exception(std::move(error));
     }
   }
   std::vector<std::unique_ptr<worker>> workers_;
