@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <cstddef>
-#include <future>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -34,10 +36,12 @@ class runtime {
   // Runs `t` on thread i and blocks the calling (non-runtime) thread for its result.
   template <class T>
   T block_on(std::size_t i, task<T> t) {
-    std::promise<T> p;
-    auto f = p.get_future();
-    spawn(i, fulfil(std::move(t), std::move(p)));
-    return f.get();
+    outcome<T> out;
+    spawn(i, fulfil(std::move(t), out));
+    std::unique_lock lock(out.mutex);
+    out.cv.wait(lock, [&] { return out.done; });
+    if (out.error) std::rethrow_exception(std::move(out.error));
+    if constexpr (!std::is_void_v<T>) return std::move(*out.value);
   }
 
   void request_stop() noexcept;
@@ -47,24 +51,35 @@ class runtime {
  private:
   struct worker;
   template <class T>
-  static task<void> fulfil(task<T> t, std::promise<T> p) {
+  struct outcome {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+    std::optional<std::conditional_t<std::is_void_v<T>, bool, T>> value;
+    std::exception_ptr error;
+  };
+  // The worker keeps no reference to the result or the exception once it
+  // signals: the waiting thread owns them alone from then on.
+  template <class T>
+  static task<void> fulfil(task<T> t, outcome<T>& out) {
+    std::optional<std::conditional_t<std::is_void_v<T>, bool, T>> value;
     std::exception_ptr error;
     try {
       if constexpr (std::is_void_v<T>) {
         co_await std::move(t);
-        p.set_value();
+        value.emplace(true);
       } else {
-        p.set_value(co_await std::move(t));
+        value.emplace(co_await std::move(t));
       }
     } catch (...) {
       error = std::current_exception();
     }
-    if (error) {
-      // Drop this thread's references first: the waiting thread then owns
-      // the exception alone.
-      t = task<T>{};
-      p.set_exception(std::move(error));
-    }
+    t = task<T>{};
+    std::lock_guard lock(out.mutex);
+    out.value = std::move(value);
+    out.error = std::move(error);
+    out.done = true;
+    out.cv.notify_all();
   }
   std::vector<std::unique_ptr<worker>> workers_;
   std::atomic<bool> released_{false};  // join() finished signalling the contexts
