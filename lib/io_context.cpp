@@ -249,11 +249,11 @@ void io_context::reap() {
 
 void io_context::run() {
   bool never = false;
-  run_until(never);
+  run_until(never, true);
   stop_requested_.store(false);
 }
 
-void io_context::run_until(const bool& done) {
+void io_context::run_until(const bool& done, bool stoppable) {
   if (!running_in_this_thread())
     throw std::logic_error("shuttle::io_context: run on a thread other than the one that created it");
   struct current_guard {
@@ -264,9 +264,11 @@ void io_context::run_until(const bool& done) {
 
   using clock = std::chrono::steady_clock;
   auto last_work = clock::now();
-  while (!done && !stop_requested_.load(std::memory_order_relaxed)) {
-    run_ready();
+  while (!done && !(stoppable && stop_requested_.load(std::memory_order_relaxed))) {
+    // Remote work first: a task posted here before the loop started (a
+    // spawn) must be running before the ready coroutines look for it.
     bool work = drain_remote();
+    run_ready();
     if (!pollers_.empty() && poll_pollers()) work = true;
     if (done) break;
     bool spinning = !pollers_.empty() && clock::now() - last_work < opts_.spin_budget;

@@ -48,7 +48,12 @@ runtime::runtime(std::size_t threads, io_context::options opts) {
       if (!ctx) return;
       ctx->run();
       try {
-        ctx->run([](async_scope& s) -> task<void> { co_await s.join(); }(wp->scope));
+        // One turn of the loop first, so spawns still in the remote queue
+        // reach the scope before it is joined.
+        ctx->run([](io_context& c, async_scope& s) -> task<void> {
+          co_await c.schedule();
+          co_await s.join();
+        }(*ctx, wp->scope));
       } catch (const std::exception& e) {
         std::fprintf(stderr, "shuttle::runtime: a spawned task failed: %s\n", e.what());
       }

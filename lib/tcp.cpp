@@ -70,6 +70,19 @@ result<endpoint> endpoint::parse(std::string_view s) {
   return std::make_error_code(std::errc::invalid_argument);
 }
 
+namespace {
+// getaddrinfo's EAI_* codes, with gai_strerror's words.
+class resolver_category_t final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "getaddrinfo"; }
+  std::string message(int c) const override { return ::gai_strerror(c); }
+};
+const std::error_category& resolver_category() noexcept {
+  static const resolver_category_t c;
+  return c;
+}
+}  // namespace
+
 result<endpoint> endpoint::resolve(const std::string& host, std::uint16_t port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -77,9 +90,7 @@ result<endpoint> endpoint::resolve(const std::string& host, std::uint16_t port) 
   addrinfo* res = nullptr;
   std::string service = std::to_string(port);
   int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
-  if (rc != 0) {
-    return std::make_error_code(rc == EAI_NONAME ? std::errc::host_unreachable : std::errc::invalid_argument);
-  }
+  if (rc != 0) return std::error_code(rc, resolver_category());
   endpoint ep(res->ai_addr, res->ai_addrlen);
   ::freeaddrinfo(res);
   return ep;

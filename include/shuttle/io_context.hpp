@@ -50,7 +50,8 @@ class io_context {
   static io_context& current();
   static io_context* current_or_null() noexcept;
 
-  // Runs the loop until `t` completes; returns its value or rethrows.
+  // Runs the loop until `t` completes (stop() does not end it); returns its
+  // value or rethrows.
   template <class T>
   T run(task<T> t);
   template <awaitable A>
@@ -98,7 +99,7 @@ class io_context {
   template <class T>
   static detail::driver run_root(task<T> t, root_state<T>& st);
 
-  void run_until(const bool& done);
+  void run_until(const bool& done, bool stoppable);
   void run_ready();
   bool drain_remote();
   bool poll_pollers();
@@ -201,7 +202,7 @@ T io_context::run(task<T> t) {
   detail::driver d = run_root(std::move(t), st);
   d.on_done(&root_state<T>::finish, &st, false);
   d.start();
-  run_until(st.done);
+  run_until(st.done, false);
   if (st.error) std::rethrow_exception(st.error);
   if constexpr (!std::is_void_v<T>) return std::move(*st.value);
 }

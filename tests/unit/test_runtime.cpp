@@ -111,3 +111,31 @@ TEST_CASE("signal_set receives a raised signal") {
   REQUIRE(r.has_value());
   CHECK(*r == SIGUSR1);
 }
+
+TEST_CASE("runtime: tasks spawned just before join() still run") {
+  std::atomic<int> ran{0};
+  auto count = [&]() -> task<void> {
+    ran.fetch_add(1);
+    co_return;
+  };
+  for (int i = 0; i < 200; ++i) {
+    runtime rt(1);
+    rt.spawn(0, count());
+    rt.join();
+  }
+  CHECK(ran.load() == 200);
+}
+
+TEST_CASE("run(task) is not ended by stop(); run() is") {
+  io_context ctx;
+  std::thread t([&] {
+    std::this_thread::sleep_for(5ms);
+    ctx.stop();
+  });
+  int v = ctx.run([]() -> task<int> {
+    (void)co_await sleep_for(30ms);
+    co_return 9;
+  }());
+  t.join();
+  CHECK(v == 9);
+}

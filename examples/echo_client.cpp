@@ -1,0 +1,495 @@
+// shuttle-echo-client: load generator and checker for an echo server.
+//
+//   shuttle-echo-client --host H --port P [--connections C] [--size S]
+//                       [--duration T] [--threads N] [--connect-timeout T] [--json]
+//
+// Opens C connections (spread round-robin over N threads, each with its own
+// io_context), then for T seconds every connection loops: write S bytes (a
+// pattern that changes with every request and connection), read S bytes
+// back, check them, record the round-trip latency. Requests still in flight
+// at the deadline are cancelled and not counted.
+//
+// Prints requests/s, MB/s (echoed payload, one direction, 10^6 bytes),
+// latency p50/p99/p99.9 in microseconds and the error counts; with --json a
+// last line holds the same as one JSON object, for benchmark scripts.
+//
+// Exit status: 0 if every connection was made and every reply matched, 1 if
+// anything failed (connection failures, I/O errors, mismatched echoes), 2 for
+// bad usage.
+
+#include <shuttle/shuttle.hpp>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <future>
+#include <memory>
+#include <new>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+namespace {
+
+using shuttle::task;
+using steady = std::chrono::steady_clock;
+constexpr const char* kProg = "shuttle-echo-client";
+
+// Up to this size a request is written whole before its reply is read; above
+// it the write and the read run concurrently, so a request larger than the
+// socket buffers cannot deadlock client and server against each other.
+constexpr std::size_t kSequentialLimit = 64 * 1024;
+
+// ---------------------------------------------------------------- histogram
+
+// Log-linear latency histogram in nanoseconds: exact below 128 ns, then 128
+// sub-buckets per power of two (relative error under 0.8%).
+class histogram {
+ public:
+  static constexpr std::size_t kSub = 128;
+  static constexpr std::size_t kBuckets = kSub + 57 * kSub;
+
+  void record(std::uint64_t ns) noexcept {
+    ++counts_[index(ns)];
+    ++total_;
+  }
+  void merge(const histogram& o) noexcept {
+    for (std::size_t i = 0; i < kBuckets; ++i) counts_[i] += o.counts_[i];
+    total_ += o.total_;
+  }
+  std::uint64_t total() const noexcept { return total_; }
+
+  // The q-quantile (0 < q <= 1) in nanoseconds: the middle of its bucket.
+  double quantile(double q) const noexcept {
+    if (total_ == 0) return 0;
+    auto rank = static_cast<std::uint64_t>(std::ceil(q * static_cast<double>(total_)));
+    rank = std::clamp<std::uint64_t>(rank, 1, total_);
+    std::uint64_t seen = 0;
+    for (std::size_t i = 0; i < kBuckets; ++i) {
+      seen += counts_[i];
+      if (seen >= rank) return midpoint(i);
+    }
+    return midpoint(kBuckets - 1);
+  }
+
+ private:
+  static std::size_t index(std::uint64_t v) noexcept {
+    if (v < kSub) return static_cast<std::size_t>(v);
+    unsigned shift = static_cast<unsigned>(std::bit_width(v)) - 8;  // keeps 8 significant bits
+    return kSub + shift * kSub + static_cast<std::size_t>((v >> shift) - kSub);
+  }
+  static double midpoint(std::size_t i) noexcept {
+    if (i < kSub) return static_cast<double>(i);
+    std::size_t shift = (i - kSub) / kSub;
+    double lower = std::ldexp(static_cast<double>(kSub + (i - kSub) % kSub), static_cast<int>(shift));
+    double width = std::ldexp(1.0, static_cast<int>(shift));
+    return lower + (width - 1) / 2;
+  }
+
+  std::array<std::uint64_t, kBuckets> counts_{};
+  std::uint64_t total_ = 0;
+};
+
+// ---------------------------------------------------------------- per-thread state
+
+struct connection {
+  std::uint64_t id = 0;
+  shuttle::tcp_socket socket;
+};
+
+// Touched only by its runtime thread while a phase runs; main reads it after
+// the phase's future is ready.
+struct thread_state {
+  std::vector<connection> connections;
+  histogram latency;
+  std::uint64_t requests = 0;
+  std::uint64_t io_errors = 0;
+  std::uint64_t mismatches = 0;
+  std::uint64_t connect_failures = 0;
+  std::uint64_t starved = 0;  // connected, but not one request completed
+  std::vector<std::string> messages;  // the first few error descriptions
+  std::size_t live = 0;               // connections still looping
+  shuttle::event all_done;
+
+  void note(std::string msg) {
+    if (messages.size() < 5) messages.push_back(std::move(msg));
+  }
+};
+
+// ---------------------------------------------------------------- payload
+
+std::uint64_t splitmix64(std::uint64_t& x) noexcept {
+  std::uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Different for every (connection, request): a stale, reordered or mixed-up
+// echo does not match.
+void fill_pattern(std::vector<std::byte>& buf, std::uint64_t conn, std::uint64_t seq) noexcept {
+  std::uint64_t state = (conn << 40) ^ seq ^ 0x5368757474006c65ull;
+  std::size_t i = 0;
+  for (; i + 8 <= buf.size(); i += 8) {
+    std::uint64_t v = splitmix64(state);
+    std::memcpy(buf.data() + i, &v, 8);
+  }
+  if (i < buf.size()) {
+    std::uint64_t v = splitmix64(state);
+    std::memcpy(buf.data() + i, &v, buf.size() - i);
+  }
+}
+
+// ---------------------------------------------------------------- phases
+
+bool is_cancel(const std::error_code& ec) { return ec == std::errc::operation_canceled; }
+
+// What an operation threw (no free SQE, no memory), as an error code.
+std::error_code current_exception_code() noexcept {
+  try {
+    throw;
+  } catch (const std::system_error& e) {
+    return e.code();
+  } catch (const std::bad_alloc&) {
+    return std::make_error_code(std::errc::not_enough_memory);
+  } catch (...) {
+    return std::make_error_code(std::errc::io_error);
+  }
+}
+
+task<void> connect_one(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
+                       std::chrono::nanoseconds timeout) {
+  shuttle::result<shuttle::tcp_socket> r;
+  try {
+    r = co_await shuttle::tcp_socket::connect(ep, timeout);
+  } catch (...) {
+    r = current_exception_code();
+  }
+  connection& c = ts.connections[slot];
+  if (!r) {
+    ++ts.connect_failures;
+    ts.note("connection " + std::to_string(c.id) + " to " + ep.to_string() + " failed: " +
+            (r.error() == std::errc::timed_out ? std::string("timed out") : r.error().message()));
+    co_return;
+  }
+  c.socket = std::move(*r);
+  (void)c.socket.set_nodelay(true);
+}
+
+// Phase 1: open this thread's connections, all at once.
+task<void> connect_all(thread_state& ts, shuttle::endpoint ep, std::chrono::nanoseconds timeout) {
+  shuttle::async_scope scope;
+  for (std::size_t i = 0; i < ts.connections.size(); ++i) scope.spawn(connect_one(ts, i, ep, timeout));
+  co_await scope.join();
+}
+
+// Writes then, on failure, shuts the socket down so that the concurrent read
+// ends too.
+task<shuttle::result<void>> write_request(shuttle::tcp_socket& sock, std::span<const std::byte> out) {
+  auto w = co_await sock.write_all(out);
+  if (!w && !is_cancel(w.error())) (void)sock.shutdown(SHUT_RDWR);
+  co_return w;
+}
+
+task<void> connection_loop(thread_state& ts, connection& c, std::size_t size, steady::time_point deadline) {
+  std::vector<std::byte> out(size), in(size);
+  std::uint64_t seq = 0;
+  for (; steady::now() < deadline; ++seq) {
+    fill_pattern(out, c.id, seq);
+    const auto t0 = steady::now();
+    std::error_code ec;
+    try {
+      if (size <= kSequentialLimit) {
+        auto w = co_await c.socket.write_all(out);
+        if (!w) {
+          ec = w.error();
+        } else {
+          auto r = co_await c.socket.read_exact(in);
+          if (!r) ec = r.error();
+        }
+      } else {
+        auto both = co_await shuttle::when_all(write_request(c.socket, out), c.socket.read_exact(in));
+        auto& w = std::get<0>(both);
+        auto& r = std::get<1>(both);
+        if (!w)
+          ec = w.error();
+        else if (!r)
+          ec = r.error();
+      }
+    } catch (...) {
+      ec = current_exception_code();
+    }
+    const auto t1 = steady::now();
+    if (ec) {
+      if (is_cancel(ec)) break;  // the deadline, not a failure
+      ++ts.io_errors;
+      ts.note("connection " + std::to_string(c.id) + ": " +
+              (ec == shuttle::errc::eof ? std::string("server closed the connection") : ec.message()) +
+              " after " + std::to_string(seq) + " requests");
+      break;
+    }
+    if (std::memcmp(out.data(), in.data(), size) != 0) {
+      ++ts.mismatches;
+      std::size_t at = 0;
+      while (at < size && out[at] == in[at]) ++at;
+      ts.note("connection " + std::to_string(c.id) + ": request " + std::to_string(seq) +
+              ": echo differs from what was sent at byte " + std::to_string(at) + " of " + std::to_string(size));
+      break;  // the stream is out of step: stop using this connection
+    }
+    ++ts.requests;
+    ts.latency.record(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count()));
+  }
+  if (seq == 0) ++ts.starved;
+  c.socket.close();
+  if (--ts.live == 0) ts.all_done.set();
+}
+
+task<void> wait_event(shuttle::event& e) { (void)co_await e.wait(); }
+task<void> wait_until(steady::time_point t) { (void)co_await shuttle::sleep_until(t); }
+
+// Phase 2: run every open connection until the deadline (or until they all
+// failed), then cancel what is in flight.
+task<void> run_load(thread_state& ts, std::size_t size, steady::time_point deadline) {
+  shuttle::async_scope scope;
+  ts.live = 0;
+  for (auto& c : ts.connections)
+    if (c.socket.is_open()) ++ts.live;
+  if (ts.live == 0) co_return;
+  for (auto& c : ts.connections)
+    if (c.socket.is_open()) scope.spawn(connection_loop(ts, c, size, deadline));
+  (void)co_await shuttle::when_any(wait_event(ts.all_done), wait_until(deadline));
+  scope.request_stop();
+  co_await scope.join();
+}
+
+task<void> fulfil(task<void> t, std::promise<void> p) {
+  try {
+    co_await std::move(t);
+    p.set_value();
+  } catch (...) {
+    p.set_exception(std::current_exception());
+  }
+}
+
+// Runs a task on every runtime thread at once and waits for all of them.
+template <class MakeTask>
+void on_every_thread(shuttle::runtime& rt, MakeTask make) {
+  std::vector<std::future<void>> done;
+  for (std::size_t i = 0; i < rt.size(); ++i) {
+    std::promise<void> p;
+    done.push_back(p.get_future());
+    rt.spawn(i, fulfil(make(i), std::move(p)));
+  }
+  for (auto& f : done) f.get();
+}
+
+// ---------------------------------------------------------------- options
+
+struct options {
+  std::string host = "127.0.0.1";
+  unsigned port = 0;
+  bool port_set = false;
+  std::size_t connections = 1;
+  std::size_t size = 64;
+  double duration = 5;
+  std::size_t threads = 1;
+  double connect_timeout = 5;
+  bool json = false;
+};
+
+[[noreturn]] void usage(int code) {
+  std::fprintf(code ? stderr : stdout,
+               "usage: %s --port P [--host H] [--connections C] [--size S] [--duration T]\n"
+               "       [--threads N] [--connect-timeout T] [--json]\n"
+               "  --host H             server address or name (default 127.0.0.1)\n"
+               "  --port P             server port\n"
+               "  --connections C      concurrent connections (default 1)\n"
+               "  --size S             bytes per request (default 64)\n"
+               "  --duration T         seconds of load, fractions allowed (default 5)\n"
+               "  --threads N          client threads; connections are spread over them (default 1)\n"
+               "  --connect-timeout T  seconds allowed for each connect (default 5)\n"
+               "  --json               also print the results as one JSON line (the last line)\n",
+               kProg);
+  std::exit(code);
+}
+
+[[noreturn]] void bad_value(std::string_view name, std::string_view value, const char* expected) {
+  std::fprintf(stderr, "%s: bad %.*s '%.*s' (%s)\n", kProg, int(name.size()), name.data(), int(value.size()),
+               value.data(), expected);
+  std::exit(2);
+}
+
+std::uint64_t parse_count(std::string_view name, std::string_view s, std::uint64_t min, std::uint64_t max) {
+  std::uint64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc{} || end != s.data() + s.size() || v < min || v > max) {
+    std::string range = std::to_string(min) + "-" + std::to_string(max);
+    bad_value(name, s, range.c_str());
+  }
+  return v;
+}
+
+double parse_seconds(std::string_view name, std::string_view s) {
+  std::string str(s);
+  char* end = nullptr;
+  double v = std::strtod(str.c_str(), &end);
+  if (str.empty() || *end != '\0' || !std::isfinite(v) || v <= 0 || v > 1e6)
+    bad_value(name, s, "seconds, > 0");
+  return v;
+}
+
+options parse_options(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "-h" || arg == "--help") usage(0);
+    if (arg == "--json") {
+      o.json = true;
+      continue;
+    }
+    std::string_view name = arg, value;
+    if (auto eq = arg.find('='); arg.starts_with("--") && eq != arg.npos) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+    } else {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s: %s needs a value\n", kProg, argv[i]);
+        usage(2);
+      }
+      value = argv[++i];
+    }
+    if (name == "--host") {
+      o.host = std::string(value);
+    } else if (name == "--port") {
+      o.port = static_cast<unsigned>(parse_count(name, value, 1, 65535));
+      o.port_set = true;
+    } else if (name == "--connections") {
+      o.connections = parse_count(name, value, 1, 1'000'000);
+    } else if (name == "--size") {
+      o.size = parse_count(name, value, 1, 1ull << 30);
+    } else if (name == "--duration") {
+      o.duration = parse_seconds(name, value);
+    } else if (name == "--threads") {
+      o.threads = parse_count(name, value, 1, 1024);
+    } else if (name == "--connect-timeout") {
+      o.connect_timeout = parse_seconds(name, value);
+    } else {
+      std::fprintf(stderr, "%s: unknown option '%.*s'\n", kProg, int(name.size()), name.data());
+      usage(2);
+    }
+  }
+  if (!o.port_set) {
+    std::fprintf(stderr, "%s: --port is required\n", kProg);
+    usage(2);
+  }
+  return o;
+}
+
+std::chrono::nanoseconds to_ns(double seconds) {
+  return std::chrono::nanoseconds(static_cast<std::int64_t>(seconds * 1e9));
+}
+
+int run_client(const options& o) {
+  auto ep = shuttle::endpoint::resolve(o.host, static_cast<std::uint16_t>(o.port));
+  if (!ep) {
+    std::fprintf(stderr, "%s: cannot resolve '%s': %s\n", kProg, o.host.c_str(), ep.error().message().c_str());
+    return 1;
+  }
+  const std::size_t threads = std::min(o.threads, o.connections);
+  shuttle::runtime rt(threads);
+  std::vector<std::unique_ptr<thread_state>> states;
+  for (std::size_t i = 0; i < threads; ++i) states.push_back(std::make_unique<thread_state>());
+  for (std::size_t id = 0; id < o.connections; ++id) states[id % threads]->connections.push_back({id, {}});
+
+  // Phase 1: connect.
+  const auto timeout = to_ns(o.connect_timeout);
+  const auto connect_start = steady::now();
+  on_every_thread(rt, [&](std::size_t i) { return connect_all(*states[i], *ep, timeout); });
+  const double connect_s = std::chrono::duration<double>(steady::now() - connect_start).count();
+
+  std::uint64_t connect_failures = 0;
+  for (auto& s : states) connect_failures += s->connect_failures;
+  const std::uint64_t connected = o.connections - connect_failures;
+  if (connect_failures) {
+    std::fprintf(stderr, "%s: %llu of %zu connections to %s failed\n", kProg,
+                 static_cast<unsigned long long>(connect_failures), o.connections, ep->to_string().c_str());
+    for (auto& s : states)
+      for (auto& m : s->messages) std::fprintf(stderr, "  %s\n", m.c_str());
+    for (auto& s : states) s->messages.clear();
+  }
+
+  // Phase 2: load.
+  const auto start = steady::now();
+  const auto deadline = start + to_ns(o.duration);
+  if (connected > 0)
+    on_every_thread(rt, [&](std::size_t i) { return run_load(*states[i], o.size, deadline); });
+  const double elapsed = std::chrono::duration<double>(steady::now() - start).count();
+  rt.join();
+
+  histogram latency;
+  std::uint64_t requests = 0, io_errors = 0, mismatches = 0, starved = 0;
+  for (auto& s : states) {
+    starved += s->starved;
+    latency.merge(s->latency);
+    requests += s->requests;
+    io_errors += s->io_errors;
+    mismatches += s->mismatches;
+  }
+  const std::uint64_t errors = io_errors + mismatches + connect_failures;
+  const double rps = elapsed > 0 ? static_cast<double>(requests) / elapsed : 0;
+  const double mbps = rps * static_cast<double>(o.size) / 1e6;
+  const double p50 = latency.quantile(0.50) / 1e3;
+  const double p99 = latency.quantile(0.99) / 1e3;
+  const double p999 = latency.quantile(0.999) / 1e3;
+
+  for (auto& s : states)
+    for (auto& m : s->messages) std::fprintf(stderr, "%s: %s\n", kProg, m.c_str());
+
+  std::printf("%s: %s, %llu/%zu connections (connected in %.3f s), %zu threads, %zu-byte requests, %.3f s\n",
+              kProg, ep->to_string().c_str(), static_cast<unsigned long long>(connected), o.connections,
+              connect_s, threads, o.size, elapsed);
+  std::printf("  requests:  %llu (%.0f requests/s)\n", static_cast<unsigned long long>(requests), rps);
+  std::printf("  echoed:    %.2f MB/s\n", mbps);
+  std::printf("  latency:   p50 %.1f us, p99 %.1f us, p99.9 %.1f us\n", p50, p99, p999);
+  if (starved)
+    std::printf("  starved:   %llu connections completed no request (server busy or not accepting)\n",
+                static_cast<unsigned long long>(starved));
+  std::printf("  errors:    %llu (connect failures %llu, I/O errors %llu, mismatches %llu)\n",
+              static_cast<unsigned long long>(errors), static_cast<unsigned long long>(connect_failures),
+              static_cast<unsigned long long>(io_errors), static_cast<unsigned long long>(mismatches));
+  if (o.json) {
+    std::printf(
+        "{\"host\":\"%s\",\"port\":%u,\"connections\":%zu,\"connected\":%llu,\"threads\":%zu,\"size\":%zu,"
+        "\"duration_s\":%.6f,\"requests\":%llu,\"requests_per_s\":%.1f,\"mb_per_s\":%.3f,"
+        "\"p50_us\":%.2f,\"p99_us\":%.2f,\"p999_us\":%.2f,\"errors\":%llu,\"connect_failures\":%llu,"
+        "\"io_errors\":%llu,\"mismatches\":%llu,\"starved\":%llu}\n",
+        o.host.c_str(), o.port, o.connections, static_cast<unsigned long long>(connected), threads, o.size, elapsed,
+        static_cast<unsigned long long>(requests), rps, mbps, p50, p99, p999, static_cast<unsigned long long>(errors),
+        static_cast<unsigned long long>(connect_failures), static_cast<unsigned long long>(io_errors),
+        static_cast<unsigned long long>(mismatches), static_cast<unsigned long long>(starved));
+  }
+  std::fflush(stdout);
+  return errors ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o = parse_options(argc, argv);
+  try {
+    return run_client(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", kProg, e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,398 @@
+// shuttle-echo-server: a TCP echo server on shuttle.
+//
+//   shuttle-echo-server --port P [--threads N] [--transport tcp] [--bind ADDR]
+//
+// Layout: N runtime threads, each with its own io_context and its own
+// listener bound with SO_REUSEPORT to the same port, so the kernel spreads
+// connections over the threads and a connection never leaves the thread that
+// accepted it. Each thread accepts into its own async_scope; every connection
+// is one coroutine echoing with read_some / write_all over a 16 KiB buffer.
+//
+// --port 0 binds an ephemeral port (thread 0 binds first, the others join it);
+// the listening line prints the real one:
+//   shuttle-echo-server listening on port P with N threads
+//
+// Shutdown: SIGINT/SIGTERM are blocked before the runtime starts and read by
+// the main thread through a signal_set on its own io_context. On a signal the
+// runtime is asked to stop: each thread's accept is cancelled, the thread
+// closes its listener, cancels its connections (scope.request_stop()), joins
+// them, and the process prints a one-line summary and exits 0.
+//
+// Out of file descriptors (EMFILE/ENFILE/ENOBUFS/ENOMEM on accept): log at
+// most once per second, back off 10-100 ms, retry. Pending connections wait
+// in the kernel's backlog meanwhile and are served once descriptors free up.
+
+#include <shuttle/shuttle.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <future>
+#include <new>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+namespace {
+
+using namespace std::chrono_literals;
+using shuttle::task;
+
+constexpr std::size_t kBufferSize = 16 * 1024;
+constexpr auto kMinBackoff = 10ms;
+constexpr auto kMaxBackoff = 100ms;
+constexpr const char* kProg = "shuttle-echo-server";
+
+// Written only by the owning runtime thread; read by main after join().
+struct alignas(64) thread_stats {
+  std::uint64_t connections = 0;
+  std::uint64_t bytes = 0;
+};
+
+// ---------------------------------------------------------------- logging
+
+// At most one error line per second across all threads; the lines that were
+// held back are counted in the next one.
+std::atomic<std::int64_t> g_last_log_ns{INT64_MIN / 2};
+std::atomic<std::uint64_t> g_suppressed{0};
+
+void log_throttled(const std::string& line) {
+  auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now().time_since_epoch())
+                 .count();
+  auto last = g_last_log_ns.load(std::memory_order_relaxed);
+  if (now - last < 1'000'000'000 ||
+      !g_last_log_ns.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+    g_suppressed.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  auto suppressed = g_suppressed.exchange(0, std::memory_order_relaxed);
+  if (suppressed)
+    std::fprintf(stderr, "%s: %s (%llu similar messages suppressed)\n", kProg, line.c_str(),
+                 static_cast<unsigned long long>(suppressed));
+  else
+    std::fprintf(stderr, "%s: %s\n", kProg, line.c_str());
+}
+
+// What an operation threw (no free SQE, no memory), as an error code.
+std::error_code current_exception_code() noexcept {
+  try {
+    throw;
+  } catch (const std::system_error& e) {
+    return e.code();
+  } catch (const std::bad_alloc&) {
+    return std::make_error_code(std::errc::not_enough_memory);
+  } catch (...) {
+    return std::make_error_code(std::errc::io_error);
+  }
+}
+
+bool is_resource_exhaustion(const std::error_code& ec) {
+  return ec == std::errc::too_many_files_open || ec == std::errc::too_many_files_open_in_system ||
+         ec == std::errc::no_buffer_space || ec == std::errc::not_enough_memory;
+}
+
+// Errors that concern one aborted connection, not the listener: try again now.
+bool is_transient(const std::error_code& ec) {
+  if (ec.category() != std::system_category()) return false;
+  switch (ec.value()) {
+    case ECONNABORTED:
+    case EINTR:
+    case EAGAIN:
+    case EPROTO:
+    case EPERM:  // firewall
+    case ENETDOWN:
+    case ENOPROTOOPT:
+    case EHOSTDOWN:
+    case ENONET:
+    case EHOSTUNREACH:
+    case ENETUNREACH:
+    case EOPNOTSUPP:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// ---------------------------------------------------------------- serving
+
+task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats) {
+  try {
+    (void)sock.set_nodelay(true);  // best effort
+    std::unique_ptr<std::byte[]> buf(new std::byte[kBufferSize]);
+    const std::span<std::byte> whole(buf.get(), kBufferSize);
+    for (;;) {
+      auto n = co_await sock.read_some(whole);
+      // EOF, reset, cancellation (shutdown), anything else: close this connection.
+      if (!n || *n == 0) break;
+      auto w = co_await sock.write_all(std::span<const std::byte>(buf.get(), *n));
+      if (!w) break;
+      stats.bytes += *n;
+    }
+  } catch (...) {
+    // Out of memory or SQEs: drop this connection, keep the server.
+    log_throttled("thread " + std::to_string(index) + ": connection dropped: " + current_exception_code().message());
+  }
+}
+
+task<void> serve(std::size_t index, shuttle::tcp_listener listener, thread_stats& stats) {
+  shuttle::async_scope connections;
+  auto backoff = std::chrono::duration_cast<std::chrono::milliseconds>(kMinBackoff);
+  const std::stop_token stop = co_await shuttle::get_stop_token();
+  while (!stop.stop_requested()) {
+    std::error_code ec;
+    try {
+      auto r = co_await listener.accept();
+      if (r) {
+        backoff = kMinBackoff;
+        ++stats.connections;
+        connections.spawn(echo(index, std::move(*r), stats));
+        continue;
+      }
+      ec = r.error();
+    } catch (...) {
+      ec = current_exception_code();
+    }
+    if (ec == std::errc::operation_canceled || ec == std::errc::bad_file_descriptor) break;
+    std::chrono::milliseconds pause{0};
+    std::string line = "thread " + std::to_string(index) + ": accept failed: " + ec.message();
+    if (is_resource_exhaustion(ec)) {
+      pause = backoff;
+      backoff = std::min<std::chrono::milliseconds>(backoff * 2, kMaxBackoff);
+      log_throttled(line + "; backing off " + std::to_string(pause.count()) + " ms (" +
+                    std::to_string(connections.active()) + " open connections on this thread)");
+    } else if (!is_transient(ec)) {
+      pause = kMaxBackoff;
+      log_throttled(line + "; retrying in " + std::to_string(pause.count()) + " ms");
+    }
+    if (pause.count() > 0) {
+      bool stopped = false;
+      try {
+        stopped = !co_await shuttle::sleep_for(pause);  // cancelled: shutting down
+      } catch (...) {
+        // No SQE for the timer: go round again; accept will fail or succeed.
+      }
+      if (stopped) break;
+    }
+  }
+  // Stop accepting, cancel every connection, wait for them all.
+  listener.close();
+  connections.request_stop();
+  co_await connections.join();
+}
+
+// Runs `t` and reports its end (or its exception) to the main thread.
+task<void> fulfil(task<void> t, std::promise<void> done) {
+  try {
+    co_await std::move(t);
+    done.set_value();
+  } catch (...) {
+    done.set_exception(std::current_exception());
+  }
+}
+
+task<shuttle::result<shuttle::tcp_listener>> bind_here(shuttle::endpoint ep) {
+  // Runs on the thread that will own the listener (it registers with that
+  // thread's io_context).
+  co_return shuttle::tcp_listener::bind(ep, {.backlog = 4096, .reuse_address = true, .reuse_port = true});
+}
+
+task<int> wait_for_signal(shuttle::signal_set& signals) {
+  auto r = co_await signals.wait();
+  if (!r) {
+    std::fprintf(stderr, "%s: waiting for signals failed: %s\n", kProg, r.error().message().c_str());
+    co_return 0;
+  }
+  co_return *r;
+}
+
+// ---------------------------------------------------------------- options
+
+struct options {
+  unsigned port = 0;
+  bool port_set = false;
+  std::size_t threads = 1;
+  std::string transport = "tcp";
+  std::string bind = "0.0.0.0";
+};
+
+[[noreturn]] void usage(int code) {
+  std::fprintf(code ? stderr : stdout,
+               "usage: %s --port P [--threads N] [--transport tcp] [--bind ADDR]\n"
+               "  --port P        TCP port to listen on (0: pick a free one and print it)\n"
+               "  --threads N     event-loop threads, one listener each (default 1)\n"
+               "  --transport T   only 'tcp' for now\n"
+               "  --bind ADDR     numeric address to bind (default 0.0.0.0; '::' for IPv6)\n",
+               kProg);
+  std::exit(code);
+}
+
+bool parse_unsigned(std::string_view s, unsigned long long max, unsigned long long& out) {
+  if (s.empty()) return false;
+  unsigned long long v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<unsigned>(c - '0');
+    if (v > max) return false;
+  }
+  out = v;
+  return true;
+}
+
+options parse_options(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "-h" || arg == "--help") usage(0);
+    std::string_view value;
+    std::string_view name = arg;
+    if (auto eq = arg.find('='); arg.starts_with("--") && eq != arg.npos) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+    } else {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s: %s needs a value\n", kProg, argv[i]);
+        usage(2);
+      }
+      value = argv[++i];
+    }
+    unsigned long long v = 0;
+    if (name == "--port") {
+      if (!parse_unsigned(value, 65535, v)) {
+        std::fprintf(stderr, "%s: bad --port '%.*s' (0-65535)\n", kProg, int(value.size()), value.data());
+        std::exit(2);
+      }
+      o.port = static_cast<unsigned>(v);
+      o.port_set = true;
+    } else if (name == "--threads") {
+      if (!parse_unsigned(value, 1024, v) || v == 0) {
+        std::fprintf(stderr, "%s: bad --threads '%.*s' (1-1024)\n", kProg, int(value.size()), value.data());
+        std::exit(2);
+      }
+      o.threads = static_cast<std::size_t>(v);
+    } else if (name == "--transport") {
+      o.transport = std::string(value);
+    } else if (name == "--bind") {
+      o.bind = std::string(value);
+    } else {
+      std::fprintf(stderr, "%s: unknown option '%.*s'\n", kProg, int(name.size()), name.data());
+      usage(2);
+    }
+  }
+  if (!o.port_set) {
+    std::fprintf(stderr, "%s: --port is required\n", kProg);
+    usage(2);
+  }
+  if (o.transport != "tcp") {
+    std::fprintf(stderr, "%s: unsupported --transport '%s': only 'tcp' is available (RDMA is not implemented yet)\n",
+                 kProg, o.transport.c_str());
+    std::exit(2);
+  }
+  return o;
+}
+
+int run_server(const options& opts) {
+  const bool v6 = opts.bind.find(':') != std::string::npos;
+  auto make_endpoint = [&](unsigned p) {
+    return shuttle::endpoint::parse((v6 ? "[" + opts.bind + "]" : opts.bind) + ":" + std::to_string(p));
+  };
+  if (!make_endpoint(0)) {
+    std::fprintf(stderr, "%s: bad --bind address '%s' (numeric IPv4 or IPv6)\n", kProg, opts.bind.c_str());
+    return 2;
+  }
+
+  // Block the shutdown signals before any thread starts, so only the
+  // signalfd below ever sees them.
+  shuttle::block_signals({SIGINT, SIGTERM, SIGPIPE});
+  shuttle::io_context main_ctx;
+  shuttle::signal_set signals{SIGINT, SIGTERM};
+
+  std::vector<thread_stats> stats(opts.threads);
+  shuttle::runtime rt(opts.threads);
+
+  // Bind one listener per thread, on that thread. Thread 0 goes first so that
+  // --port 0 resolves to one real port that the others then share.
+  unsigned port = opts.port;
+  std::vector<std::future<void>> served;
+  // Asks every thread to stop, waits for its serve task, then joins the
+  // runtime. Waiting first matters: runtime::join() stops the loops without
+  // running work still queued to them, and it should find them idle.
+  auto stop_all = [&] {
+    rt.request_stop();
+    bool ok = true;
+    for (auto& f : served) {
+      try {
+        f.get();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "%s: a server thread failed: %s\n", kProg, e.what());
+        ok = false;
+      }
+    }
+    rt.join();
+    return ok;
+  };
+  for (std::size_t i = 0; i < opts.threads; ++i) {
+    auto ep = make_endpoint(port);
+    auto listener = rt.block_on(i, bind_here(*ep));
+    if (!listener) {
+      std::fprintf(stderr, "%s: cannot listen on %s (thread %zu): %s\n", kProg, ep->to_string().c_str(), i,
+                   listener.error().message().c_str());
+      stop_all();
+      return 1;
+    }
+    if (port == 0) {
+      auto local = listener->local_endpoint();
+      if (!local) {
+        std::fprintf(stderr, "%s: getsockname: %s\n", kProg, local.error().message().c_str());
+        stop_all();
+        return 1;
+      }
+      port = local->port();
+    }
+    std::promise<void> done;
+    served.push_back(done.get_future());
+    rt.spawn(i, fulfil(serve(i, std::move(*listener), stats[i]), std::move(done)));
+  }
+
+  std::printf("%s listening on port %u with %zu threads\n", kProg, port, opts.threads);
+  std::fflush(stdout);
+
+  int sig = main_ctx.run(wait_for_signal(signals));
+  if (sig > 0) std::fprintf(stderr, "%s: %s, shutting down\n", kProg, strsignal(sig));
+
+  // request_stop() cancels every accept and, through the scopes, every
+  // connection; each serve task then closes its listener and joins its
+  // connections.
+  const bool clean = stop_all();
+
+  std::uint64_t connections = 0, bytes = 0;
+  for (const auto& s : stats) {
+    connections += s.connections;
+    bytes += s.bytes;
+  }
+  std::printf("%s: served %llu connections, echoed %llu bytes\n", kProg,
+              static_cast<unsigned long long>(connections), static_cast<unsigned long long>(bytes));
+  std::fflush(stdout);
+  return clean ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options opts = parse_options(argc, argv);
+  try {
+    return run_server(opts);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", kProg, e.what());
+    return 1;
+  }
+}

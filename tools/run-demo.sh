@@ -1,0 +1,52 @@
+#!/bin/bash
+# The demo command: installs what is missing, builds, then runs
+#  1. the echo server and its load client over TCP (1, 64 and 1024 connections);
+#  2. the echo server checked by an ordinary TCP client (python3 socket);
+#  3. an RDMA-style transfer pipeline over the transport API (the tcp
+#     provider on a machine without an RDMA device), when it is built.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install-deps.sh
+if [ -d build-demo ]; then meson setup --reconfigure build-demo --buildtype=release >/dev/null
+else meson setup build-demo --buildtype=release >/dev/null; fi
+ninja -C build-demo
+ulimit -n 65536 2>/dev/null || true
+
+server_pid=
+cleanup() { [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null; true; }
+trap cleanup EXIT
+
+log=$(mktemp)
+./build-demo/examples/shuttle-echo-server --port 0 --threads 2 >"$log" 2>&1 &
+server_pid=$!
+for _ in $(seq 100); do grep -q "listening on port" "$log" && break; sleep 0.05; done
+port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log")
+[ -n "$port" ] || { cat "$log"; echo "echo server did not start"; exit 1; }
+echo "== echo server on port $port (2 threads)"
+
+for c in 1 64 1024; do
+  echo "== shuttle-echo-client: $c connections, 64 B, 2 s"
+  ./build-demo/examples/shuttle-echo-client --host 127.0.0.1 --port "$port" --connections "$c" --size 64 --duration 2 --threads 2
+done
+
+echo "== an ordinary TCP client (python3 socket)"
+python3 - "$port" <<'PY'
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+msg = b"hello from an ordinary socket\n" * 100
+s.sendall(msg)
+got = b""
+while len(got) < len(msg):
+    got += s.recv(65536)
+assert got == msg, "echo mismatch"
+print("python3 socket: %d bytes echoed and verified" % len(got))
+PY
+
+kill -INT "$server_pid"; wait "$server_pid"; server_pid=
+cat "$log" | tail -n 2
+
+if [ -x build-demo/examples/shuttle-transfer ]; then
+  echo "== transfer pipeline over the transport API"
+  ./build-demo/examples/shuttle-transfer
+fi
+echo "demo: done"
