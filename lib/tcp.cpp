@@ -103,16 +103,20 @@ std::uint16_t endpoint::port() const noexcept {
 }
 
 std::string endpoint::to_string() const {
+  // Appends rather than operator+ chains: g++ 12 -O3 warns falsely (-Wrestrict) on those.
   char buf[INET6_ADDRSTRLEN] = "?";
+  std::string out;
   if (addr_.ss_family == AF_INET) {
     inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&addr_)->sin_addr, buf, sizeof buf);
-    return std::string(buf) + ":" + std::to_string(port());
-  }
-  if (addr_.ss_family == AF_INET6) {
+    out.append(buf);
+  } else if (addr_.ss_family == AF_INET6) {
     inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&addr_)->sin6_addr, buf, sizeof buf);
-    return "[" + std::string(buf) + "]:" + std::to_string(port());
+    out.append("[").append(buf).append("]");
+  } else {
+    return "<unspecified>";
   }
-  return "<unspecified>";
+  out.append(":").append(std::to_string(port()));
+  return out;
 }
 
 // ---------------------------------------------------------------- tcp_socket
