@@ -1,0 +1,806 @@
+// The tcp provider: RDMA semantics (RC queue pair rules) over a TCP stream,
+// driven by the io_uring loop. Think of it as soft-iWARP in user space.
+//
+// Per connection (conn_state, shared by the connection object, its two loop
+// coroutines, the operations in flight and the messages handed out):
+//  - a reader coroutine: reads a header, validates it (tcp_wire), and for a
+//    request checks rkey/bounds/rights against the domain's registration
+//    table before reading the payload straight into the target region (or
+//    the receive buffer); for a response completes the pending operations in
+//    order (READ payload straight into the initiator's buffer);
+//  - a writer coroutine: gathers queued frames into one writev (header and
+//    payload iovecs: the payload is never copied in user space), plus the
+//    cumulative ACK and the CREDIT frame;
+//  - operations: take a send-queue slot (and a credit for SEND/WRITE_IMM),
+//    get a sequence number, queue their frame and wait for their response.
+//
+// Errors: the first error moves the connection to the error state
+// (`stopping`): the socket is shut down, both loops are stopped, and only
+// once both have exited (nothing touches an operation's buffers any more) are
+// the pending operations completed. A cancelled in-flight operation takes the
+// same path (NIC-safe cancellation, as verbs).
+#include "wire.hpp"
+
+#include <shuttle/channel.hpp>
+#include <shuttle/detail/driver.hpp>
+#include <shuttle/detail/transport_impl.hpp>
+#include <shuttle/io_context.hpp>
+#include <shuttle/sync.hpp>
+#include <shuttle/tcp.hpp>
+#include <shuttle/timer.hpp>
+
+#include <sys/socket.h>
+
+#include <array>
+#include <atomic>
+#include <deque>
+#include <map>
+#include <random>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace shuttle::detail {
+namespace {
+
+using namespace tcp_wire;
+
+std::error_code err(errc e) noexcept { return make_error_code(e); }
+
+// ---------------------------------------------------------------- domain
+
+struct domain_state;
+
+struct tcp_region final : region_impl {
+  std::shared_ptr<domain_state> dom;
+  ~tcp_region() override;
+};
+
+struct domain_state {
+  using cache_key = std::tuple<std::uintptr_t, std::size_t, unsigned>;
+  std::unordered_map<std::uint32_t, std::weak_ptr<tcp_region>> table;
+  std::map<cache_key, std::uint32_t> cache;
+  std::uint32_t next_key;
+
+  domain_state() {
+    std::random_device rd;
+    next_key = rd() | 1u;
+  }
+
+  std::shared_ptr<tcp_region> find(std::uint32_t rkey) const {
+    auto it = table.find(rkey);
+    return it == table.end() ? nullptr : it->second.lock();
+  }
+
+  std::uint32_t new_key() {
+    for (;;) {
+      std::uint32_t k = next_key;
+      next_key = next_key * 2654435761u + 0x9E3779B9u;  // not sequential: guessing a key is not trivial
+      if (k != 0 && !table.contains(k)) return k;
+    }
+  }
+};
+
+tcp_region::~tcp_region() {
+  dom->table.erase(rkey);
+  auto it = dom->cache.find({reinterpret_cast<std::uintptr_t>(addr), length, access});
+  if (it != dom->cache.end() && it->second == rkey) dom->cache.erase(it);
+}
+
+// ---------------------------------------------------------------- connection state
+
+struct op_rec {
+  opcode op{};
+  std::uint64_t seq = 0;
+  std::span<std::byte> read_dst{};
+  std::coroutine_handle<> waiter{};
+  bool done = false;
+  bool cancelled = false;
+  std::error_code ec{};
+  std::uint64_t value = 0;
+};
+
+bool is_ack_type(opcode op) noexcept { return op == opcode::send || op == opcode::write || op == opcode::write_imm; }
+
+struct out_frame {
+  std::array<std::byte, header_size> hdr{};
+  const std::byte* payload = nullptr;
+  std::size_t len = 0;
+  std::shared_ptr<tcp_region> hold;  // READ_RESP: the region stays registered while we send from it
+};
+
+struct inbound {
+  std::uint32_t slot = 0;
+  std::uint32_t len = 0;
+  std::optional<std::uint32_t> imm;
+};
+
+struct conn_state : std::enable_shared_from_this<conn_state> {
+  conn_state(tcp_socket s, std::shared_ptr<domain_state> d, const connection_options& o, const hello& peer_h,
+             endpoint ep)
+      : ctx(&io_context::current()),
+        sock(std::move(s)),
+        dom(std::move(d)),
+        opts(o),
+        peer(peer_h),
+        remote(ep),
+        slots(o.send_queue_depth),
+        credits(peer_h.receive_buffers),
+        pool(std::size_t(o.receive_buffers) * o.receive_buffer_size),
+        inbox(o.receive_buffers) {
+    lim.max_send = o.receive_buffer_size;
+    free_slots.reserve(o.receive_buffers);
+    for (std::uint32_t i = o.receive_buffers; i > 0; --i) free_slots.push_back(i - 1);
+  }
+
+  io_context* ctx;
+  tcp_socket sock;
+  std::shared_ptr<domain_state> dom;
+  connection_options opts;
+  hello peer;
+  endpoint remote;
+  limits lim;
+
+  // Initiator side.
+  semaphore slots;
+  std::size_t slot_waiters = 0;
+  semaphore credits;
+  std::size_t credit_waiters = 0;
+  std::uint32_t credits_out = 0;  // consumed, not yet returned by the peer
+  std::uint64_t next_seq = 1;
+  std::deque<op_rec*> pending;
+  event idle{true};
+
+  // Target side.
+  std::vector<std::byte> pool;
+  std::vector<std::uint32_t> free_slots;
+  channel<inbound> inbox;
+  std::uint64_t ack_seq = 0, ack_sent = 0;
+  std::uint32_t credits_to_return = 0;
+  std::size_t messages_out = 0;
+  std::shared_ptr<conn_state> keepalive;  // while messages are out
+
+  // Writer.
+  std::deque<out_frame> outq;
+  std::coroutine_handle<> writer_waiter{};
+  bool nak_then_drain = false;
+
+  // State.
+  std::error_code error{};  // what pending/later operations fail with
+  bool stopping = false;    // loops are being stopped
+  int loops = 2;
+  bool finished = false;
+  event finished_ev;
+  std::stop_source stop;
+
+  std::byte* slot_data(std::uint32_t slot) noexcept { return pool.data() + std::size_t(slot) * opts.receive_buffer_size; }
+
+  void wake_writer() {
+    if (writer_waiter) ctx->post(std::exchange(writer_waiter, {}));
+  }
+
+  void complete(op_rec* r, std::error_code ec, std::uint64_t v) {
+    r->done = true;
+    r->ec = ec;
+    r->value = v;
+    if (r->waiter) ctx->post(r->waiter);
+  }
+
+  void set_error(std::error_code ec) {
+    if (!error) error = ec;
+    // Operations waiting for a slot or a credit wake and see the error.
+    slots.release(slot_waiters);
+    credits.release(credit_waiters);
+    inbox.close();
+    idle.set();
+  }
+
+  // The connection goes to the error state: stop both loops; `finish` runs
+  // once both have exited.
+  void enter_error(std::error_code ec) {
+    set_error(ec);
+    if (stopping) return;
+    stopping = true;
+    if (sock.is_open()) (void)sock.shutdown(SHUT_RDWR);
+    stop.request_stop();
+    wake_writer();
+  }
+
+  void loop_exited() {
+    if (--loops == 0) finish();
+  }
+
+  void finish() {
+    // Neither loop runs: no byte of any pending operation's buffers is
+    // touched any more. Complete them all, in order.
+    auto ps = std::move(pending);
+    pending.clear();
+    std::error_code ec = error ? error : err(errc::disconnected);
+    for (op_rec* r : ps) {
+      if (r->ec) complete(r, r->ec, 0);
+      else if (r->cancelled) complete(r, std::make_error_code(std::errc::operation_canceled), 0);
+      else complete(r, ec, 0);
+    }
+    outq.clear();
+    sock.close();
+    finished = true;
+    finished_ev.set();
+  }
+
+  void cancel_op(std::uint64_t seq) {
+    for (op_rec* r : pending) {
+      if (r->seq == seq && !r->done) {
+        r->cancelled = true;
+        enter_error(err(errc::disconnected));
+        return;
+      }
+    }
+  }
+
+  // Completes ACK-type operations up to `seq`; false on a protocol violation.
+  bool ack_upto(std::uint64_t seq) {
+    if (seq >= next_seq) return false;
+    while (!pending.empty() && pending.front()->seq <= seq) {
+      op_rec* r = pending.front();
+      if (!is_ack_type(r->op)) return false;
+      pending.pop_front();
+      complete(r, {}, 0);
+    }
+    if (pending.empty()) idle.set();
+    return true;
+  }
+
+  // The front operation, which response `seq` answers (earlier ones acked).
+  op_rec* answered(std::uint64_t seq) {
+    if (seq == 0 || !ack_upto(seq - 1)) return nullptr;
+    if (pending.empty() || pending.front()->seq != seq) return nullptr;
+    return pending.front();
+  }
+
+  void pop_complete(op_rec* r, std::error_code ec, std::uint64_t v) {
+    pending.pop_front();
+    complete(r, ec, v);
+    if (pending.empty()) idle.set();
+  }
+
+  static void release_message(void* owner, std::uint64_t slot) noexcept {
+    auto* s = static_cast<conn_state*>(owner);
+    s->free_slots.push_back(static_cast<std::uint32_t>(slot));
+    if (!s->stopping && !s->nak_then_drain) {
+      ++s->credits_to_return;
+      s->wake_writer();
+    }
+    if (--s->messages_out == 0) {
+      auto last = std::move(s->keepalive);  // may free *s on return
+    }
+  }
+
+  void queue_response(header h, const std::byte* payload = nullptr, std::size_t len = 0,
+                      std::shared_ptr<tcp_region> hold = nullptr) {
+    out_frame f;
+    encode_header(h, f.hdr);
+    f.payload = payload;
+    f.len = len;
+    f.hold = std::move(hold);
+    outq.push_back(std::move(f));
+    wake_writer();
+  }
+
+  enum class action { next, drain, protocol, io };
+
+  // Target side of one request, or initiator side of one response.
+  task<action> handle(const header& h) {
+    switch (h.op) {
+      case opcode::send: {
+        if (free_slots.empty()) co_return action::protocol;  // the peer ignored its credits
+        std::uint32_t slot = free_slots.back();
+        auto r = co_await sock.read_exact(std::span(slot_data(slot), h.length));
+        if (!r) co_return action::io;
+        free_slots.pop_back();
+        inbound in{slot, h.length, {}};
+        if (h.flags & flag_imm) in.imm = h.imm;
+        (void)inbox.try_send(in);
+        ack_seq = h.seq;
+        wake_writer();
+        co_return action::next;
+      }
+      case opcode::write:
+      case opcode::write_imm:
+      case opcode::read_req:
+      case opcode::cas:
+      case opcode::faa: {
+        if (h.op == opcode::write_imm && free_slots.empty()) co_return action::protocol;
+        auto region = dom->find(h.rkey);
+        region_view view;
+        if (region) view = {region->addr, region->length, region->access};
+        bool atomic = h.op == opcode::cas || h.op == opcode::faa;
+        auto target = check_access(view, h.addr, h.length, required_access(h.op), atomic);
+        if (!target) {
+          header n;
+          n.op = opcode::nak;
+          n.st = status::remote_access_error;
+          n.seq = h.seq;
+          queue_response(n);
+          set_error(err(errc::disconnected));
+          nak_then_drain = true;
+          co_return action::drain;
+        }
+        std::byte* p = *target;
+        if (h.op == opcode::write || h.op == opcode::write_imm) {
+          auto r = co_await sock.read_exact(std::span(p, h.length));
+          if (!r) co_return action::io;
+          if (h.op == opcode::write_imm) {
+            if (free_slots.empty()) co_return action::protocol;
+            std::uint32_t slot = free_slots.back();
+            free_slots.pop_back();
+            inbound in{slot, 0, h.imm};
+            (void)inbox.try_send(in);
+          }
+          ack_seq = h.seq;
+          wake_writer();
+        } else if (h.op == opcode::read_req) {
+          header resp;
+          resp.op = opcode::read_resp;
+          resp.seq = h.seq;
+          resp.length = h.length;
+          queue_response(resp, p, h.length, std::move(region));
+        } else {
+          std::atomic_ref<std::uint64_t> word(*reinterpret_cast<std::uint64_t*>(p));
+          std::uint64_t old;
+          if (h.op == opcode::cas) {
+            old = h.arg0;
+            word.compare_exchange_strong(old, h.arg1);
+          } else {
+            old = word.fetch_add(h.arg0);
+          }
+          header resp;
+          resp.op = opcode::atomic_resp;
+          resp.seq = h.seq;
+          resp.arg0 = old;
+          queue_response(resp);
+        }
+        co_return action::next;
+      }
+      case opcode::ack:
+        co_return ack_upto(h.seq) ? action::next : action::protocol;
+      case opcode::nak: {
+        op_rec* r = answered(h.seq);
+        if (!r) co_return action::protocol;
+        r->ec = h.st == status::remote_access_error ? err(errc::remote_access_error)
+                                                    : err(errc::remote_operation_error);
+        co_return action::io;  // the connection is in error; r completes with its own error
+      }
+      case opcode::read_resp: {
+        op_rec* r = answered(h.seq);
+        if (!r || r->op != opcode::read_req || r->read_dst.size() != h.length) co_return action::protocol;
+        auto rr = co_await sock.read_exact(r->read_dst);
+        if (!rr) co_return action::io;
+        pop_complete(r, {}, 0);
+        co_return action::next;
+      }
+      case opcode::atomic_resp: {
+        op_rec* r = answered(h.seq);
+        if (!r || (r->op != opcode::cas && r->op != opcode::faa)) co_return action::protocol;
+        pop_complete(r, {}, h.arg0);
+        co_return action::next;
+      }
+      case opcode::credit: {
+        if (h.arg0 > credits_out) co_return action::protocol;
+        credits_out -= static_cast<std::uint32_t>(h.arg0);
+        credits.release(h.arg0);
+        co_return action::next;
+      }
+    }
+    co_return action::protocol;
+  }
+
+  static task<void> reader_loop(std::shared_ptr<conn_state> s) {
+    std::array<std::byte, header_size> hb{};
+    std::error_code ec = err(errc::disconnected);
+    for (;;) {
+      auto r = co_await s->sock.read_exact(hb);
+      if (!r) break;
+      auto h = decode_header(hb, s->lim);
+      if (!h) {
+        ec = err(errc::protocol_error);
+        break;
+      }
+      action a = co_await s->handle(*h);
+      if (a == action::next) continue;
+      if (a == action::protocol) ec = err(errc::protocol_error);
+      if (a == action::drain) {
+        // After a NAK: discard what the peer still sends, touching nothing,
+        // until it closes (it goes to the error state on the NAK).
+        std::vector<std::byte> scratch(16384);
+        for (;;) {
+          auto n = co_await s->sock.read_some(scratch);
+          if (!n || *n == 0) break;
+        }
+      }
+      break;
+    }
+    s->enter_error(ec);
+    s->loop_exited();
+  }
+
+  struct writer_park {
+    conn_state& s;
+    bool await_ready() const noexcept { return false; }
+    void await_suspend(std::coroutine_handle<> h) noexcept { s.writer_waiter = h; }
+    void await_resume() const noexcept {}
+  };
+
+  static task<void> writer_loop(std::shared_ptr<conn_state> s) {
+    std::vector<out_frame> batch;
+    std::vector<iovec> iov;
+    std::array<std::byte, header_size> ackh{}, credh{};
+    batch.reserve(256);
+    while (!s->stopping) {
+      if (s->outq.empty() && s->ack_seq == s->ack_sent && s->credits_to_return == 0) {
+        if (s->nak_then_drain) {
+          (void)s->sock.shutdown(SHUT_WR);  // the NAK is out; the reader drains until the peer closes
+          break;
+        }
+        co_await writer_park{*s};
+        continue;
+      }
+      batch.clear();
+      iov.clear();
+      while (!s->outq.empty() && batch.size() < 256) {
+        batch.push_back(std::move(s->outq.front()));
+        s->outq.pop_front();
+      }
+      for (auto& f : batch) {
+        iov.push_back({f.hdr.data(), header_size});
+        if (f.len) iov.push_back({const_cast<std::byte*>(f.payload), f.len});
+      }
+      // A cumulative ACK goes after every response queued before it.
+      if (s->outq.empty() && s->ack_seq != s->ack_sent) {
+        header a;
+        a.op = opcode::ack;
+        a.seq = s->ack_seq;
+        encode_header(a, ackh);
+        iov.push_back({ackh.data(), header_size});
+        s->ack_sent = s->ack_seq;
+      }
+      if (s->credits_to_return) {
+        header c;
+        c.op = opcode::credit;
+        c.arg0 = s->credits_to_return;
+        s->credits_to_return = 0;
+        encode_header(c, credh);
+        iov.push_back({credh.data(), header_size});
+      }
+      auto r = co_await s->sock.writev_all(iov);
+      batch.clear();
+      if (!r) {
+        s->enter_error(err(errc::disconnected));
+        break;
+      }
+    }
+    s->loop_exited();
+  }
+
+  static driver run_detached(task<void> t) {
+    try {
+      co_await std::move(t);
+    } catch (...) {
+    }
+  }
+
+  void start() {
+    for (int i = 0; i < 2; ++i) {
+      driver d = run_detached(i == 0 ? reader_loop(shared_from_this()) : writer_loop(shared_from_this()));
+      d.set_stop_token(stop.get_token());
+      d.on_done(nullptr, nullptr, true);
+      d.release().resume();
+    }
+  }
+
+  // ------------------------------------------------------------ operations
+
+  struct wait_rec {
+    op_rec& r;
+    bool await_ready() const noexcept { return r.done; }
+    void await_suspend(std::coroutine_handle<> h) noexcept { r.waiter = h; }
+    void await_resume() const noexcept {}
+  };
+
+  struct canceller {
+    conn_state* s;
+    std::uint64_t seq;
+    void operator()() const noexcept {
+      if (s->ctx->running_in_this_thread()) {
+        s->cancel_op(seq);
+        return;
+      }
+      try {
+        s->ctx->dispatch([sp = s->shared_from_this(), q = seq] { sp->cancel_op(q); });
+      } catch (...) {
+      }
+    }
+  };
+
+  static task<result<std::uint64_t>> submit(std::shared_ptr<conn_state> s, header h, std::span<const std::byte> payload,
+                                            std::span<std::byte> read_dst) {
+    std::stop_token token = co_await get_stop_token();
+    if (s->error) co_return err(errc::disconnected);
+    if (token.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
+    if (!s->slots.try_acquire()) {
+      ++s->slot_waiters;
+      auto r = co_await s->slots.acquire();
+      --s->slot_waiters;
+      if (!r) co_return r.error();
+    }
+    if (s->error) co_return err(errc::disconnected);
+    const bool needs_credit = h.op == opcode::send || h.op == opcode::write_imm;
+    if (needs_credit) {
+      if (!s->credits.try_acquire()) {
+        ++s->credit_waiters;
+        auto r = co_await s->credits.acquire();
+        --s->credit_waiters;
+        if (!r) {
+          s->slots.release();
+          co_return r.error();
+        }
+      }
+      if (s->error) co_return err(errc::disconnected);
+      ++s->credits_out;
+    }
+    op_rec rec;
+    rec.op = h.op;
+    rec.seq = h.seq = s->next_seq++;
+    rec.read_dst = read_dst;
+    out_frame f;
+    encode_header(h, f.hdr);
+    f.payload = payload.data();
+    f.len = payload.size();
+    s->outq.push_back(std::move(f));
+    s->pending.push_back(&rec);
+    s->idle.reset();
+    s->wake_writer();
+    {
+      std::stop_callback<canceller> cb(token, canceller{s.get(), rec.seq});
+      co_await wait_rec{rec};
+    }
+    s->slots.release();
+    if (rec.ec) co_return rec.ec;
+    co_return rec.value;
+  }
+
+  static task<result<void>> submit_void(std::shared_ptr<conn_state> s, header h, std::span<const std::byte> payload) {
+    auto r = co_await submit(std::move(s), h, payload, {});
+    if (!r) co_return r.error();
+    co_return result<void>{};
+  }
+
+  static task<result<message>> recv(std::shared_ptr<conn_state> s) {
+    auto r = co_await s->inbox.receive();
+    if (!r) {
+      if (r.error() == std::errc::broken_pipe) co_return s->error ? s->error : err(errc::disconnected);
+      co_return r.error();
+    }
+    inbound in = *r;
+    if (s->messages_out++ == 0) s->keepalive = s;
+    co_return message(std::span<const std::byte>(s->slot_data(in.slot), in.len), in.imm, &release_message, s.get(),
+                      in.slot);
+  }
+
+  static task<result<void>> close(std::shared_ptr<conn_state> s) {
+    while (!s->stopping && !s->pending.empty()) {
+      auto r = co_await s->idle.wait();
+      if (!r) co_return r.error();
+    }
+    s->enter_error(err(errc::disconnected));
+    if (!s->finished) {
+      auto r = co_await s->finished_ev.wait();
+      if (!r) co_return r.error();
+    }
+    co_return result<void>{};
+  }
+};
+
+class tcp_connection final : public connection_impl {
+ public:
+  explicit tcp_connection(std::shared_ptr<conn_state> s) noexcept : s_(std::move(s)) {}
+  ~tcp_connection() override { s_->enter_error(err(errc::disconnected)); }
+
+  task<result<void>> send(std::span<const std::byte> msg) override {
+    if (msg.size() > s_->peer.receive_buffer_size) return fail<void>(errc::message_too_long);
+    header h;
+    h.op = opcode::send;
+    h.length = static_cast<std::uint32_t>(msg.size());
+    return conn_state::submit_void(s_, h, msg);
+  }
+  task<result<message>> recv() override { return conn_state::recv(s_); }
+  task<result<void>> write(std::span<const std::byte> local, remote_buffer remote) override {
+    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
+    header h;
+    h.op = opcode::write;
+    h.addr = remote.address;
+    h.rkey = remote.rkey;
+    h.length = static_cast<std::uint32_t>(local.size());
+    return conn_state::submit_void(s_, h, local);
+  }
+  task<result<void>> write_with_imm(std::span<const std::byte> local, remote_buffer remote,
+                                    std::uint32_t imm) override {
+    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
+    header h;
+    h.op = opcode::write_imm;
+    h.flags = flag_imm;
+    h.imm = imm;
+    h.addr = remote.address;
+    h.rkey = remote.rkey;
+    h.length = static_cast<std::uint32_t>(local.size());
+    return conn_state::submit_void(s_, h, local);
+  }
+  task<result<void>> read(std::span<std::byte> local, remote_buffer remote) override {
+    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
+    header h;
+    h.op = opcode::read_req;
+    h.addr = remote.address;
+    h.rkey = remote.rkey;
+    h.length = static_cast<std::uint32_t>(local.size());
+    return read_impl(s_, h, local);
+  }
+  task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected,
+                                               std::uint64_t desired) override {
+    header h;
+    h.op = opcode::cas;
+    h.addr = remote.address;
+    h.rkey = remote.rkey;
+    h.length = 8;
+    h.arg0 = expected;
+    h.arg1 = desired;
+    return conn_state::submit(s_, h, {}, {});
+  }
+  task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add) override {
+    header h;
+    h.op = opcode::faa;
+    h.addr = remote.address;
+    h.rkey = remote.rkey;
+    h.length = 8;
+    h.arg0 = add;
+    return conn_state::submit(s_, h, {}, {});
+  }
+  task<result<void>> close() override { return conn_state::close(s_); }
+  bool is_open() const noexcept override { return !s_->error && !s_->stopping; }
+  transport_kind kind() const noexcept override { return transport_kind::tcp; }
+  std::size_t max_message_size() const noexcept override { return s_->peer.receive_buffer_size; }
+  endpoint remote_endpoint() const noexcept override { return s_->remote; }
+
+ private:
+  template <class T>
+  static task<result<T>> fail(errc e) {
+    co_return make_error_code(e);
+  }
+  static task<result<void>> read_impl(std::shared_ptr<conn_state> s, header h, std::span<std::byte> local) {
+    auto r = co_await conn_state::submit(std::move(s), h, {}, local);
+    if (!r) co_return r.error();
+    co_return result<void>{};
+  }
+  std::shared_ptr<conn_state> s_;
+};
+
+// ---------------------------------------------------------------- set-up
+
+result<void> check_options(const connection_options& o) {
+  if (o.send_queue_depth == 0 || o.receive_buffers == 0 || o.receive_buffers > max_receive_buffers ||
+      o.receive_buffer_size == 0 || o.receive_buffer_size > max_receive_buffer_size)
+    return std::make_error_code(std::errc::invalid_argument);
+  return {};
+}
+
+task<result<std::shared_ptr<conn_state>>> handshake(tcp_socket& sock, std::shared_ptr<domain_state> dom,
+                                                    connection_options opts) {
+  (void)sock.set_nodelay(true);
+  std::array<std::byte, hello_size> mine{}, theirs{};
+  hello h;
+  h.receive_buffers = opts.receive_buffers;
+  h.receive_buffer_size = opts.receive_buffer_size;
+  encode_hello(h, mine);
+  if (auto r = co_await sock.write_all(mine); !r) co_return r.error();
+  if (auto r = co_await sock.read_exact(theirs); !r) co_return r.error();
+  auto peer = decode_hello(theirs);
+  if (!peer) co_return peer.error();
+  auto ep = sock.remote_endpoint();
+  auto s = std::make_shared<conn_state>(std::move(sock), std::move(dom), opts, *peer, ep ? *ep : endpoint{});
+  s->start();
+  co_return s;
+}
+
+task<result<connection>> establish(tcp_socket sock, std::shared_ptr<domain_state> dom, connection_options opts) {
+  auto s = co_await with_timeout(handshake(sock, std::move(dom), opts), opts.connect_timeout);
+  if (!s) co_return s.error();
+  co_return connection(std::make_unique<tcp_connection>(std::move(*s)));
+}
+
+class tcp_listener_impl final : public listener_impl {
+ public:
+  tcp_listener_impl(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o)
+      : l_(std::move(l)), dom_(std::move(d)), opts_(o) {}
+
+  task<result<connection>> accept() override {
+    for (;;) {
+      auto s = co_await l_.accept();
+      if (!s) co_return s.error();
+      auto c = co_await establish(std::move(*s), dom_, opts_);
+      if (c) co_return std::move(*c);
+      // A client that failed its hello is dropped; wait for the next one.
+      std::stop_token t = co_await get_stop_token();
+      if (t.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
+    }
+  }
+  endpoint local_endpoint() const override {
+    auto e = l_.local_endpoint();
+    return e ? *e : endpoint{};
+  }
+  void close() noexcept override { l_.close(); }
+
+ private:
+  tcp_listener l_;
+  std::shared_ptr<domain_state> dom_;
+  connection_options opts_;
+};
+
+class tcp_domain final : public domain_impl {
+ public:
+  transport_kind kind() const noexcept override { return transport_kind::tcp; }
+  std::string describe() const override {
+    return "tcp (user-space RC semantics over TCP, wire protocol v" + std::to_string(protocol_version) + ")";
+  }
+
+  result<memory_region> register_memory(std::span<std::byte> mem, unsigned flags) override {
+    if (mem.empty() || (flags & ~access::all) != 0) return std::make_error_code(std::errc::invalid_argument);
+    // As ibv_reg_mr: remote write and atomic rights need local write.
+    if ((flags & (access::remote_write | access::remote_atomic)) && !(flags & access::local_write))
+      return std::make_error_code(std::errc::invalid_argument);
+    domain_state::cache_key key{reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), flags};
+    if (auto it = st_->cache.find(key); it != st_->cache.end()) {
+      if (auto r = st_->find(it->second)) return memory_region(std::move(r));
+    }
+    auto r = std::make_shared<tcp_region>();
+    r->dom = st_;
+    r->addr = mem.data();
+    r->length = mem.size();
+    r->access = flags;
+    r->rkey = r->lkey = st_->new_key();
+    st_->table[r->rkey] = r;
+    st_->cache[key] = r->rkey;
+    return memory_region(std::move(r));
+  }
+
+  task<result<connection>> connect(endpoint remote, connection_options opts) override {
+    if (auto c = check_options(opts); !c) return fail(c.error());
+    return connect_impl(st_, remote, opts);
+  }
+
+  result<listener> listen(endpoint local, connection_options opts) override {
+    if (auto c = check_options(opts); !c) return c.error();
+    auto l = tcp_listener::bind(local);
+    if (!l) return l.error();
+    return listener(std::make_unique<tcp_listener_impl>(std::move(*l), st_, opts));
+  }
+
+ private:
+  static task<result<connection>> fail(std::error_code ec) { co_return ec; }
+  static task<result<connection>> connect_impl(std::shared_ptr<domain_state> dom, endpoint remote,
+                                               connection_options opts) {
+    auto start = clock::now();
+    auto s = co_await tcp_socket::connect(remote, opts.connect_timeout);
+    if (!s) co_return s.error();
+    auto left = opts.connect_timeout - std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start);
+    opts.connect_timeout = std::max(left, std::chrono::milliseconds(1));
+    co_return co_await establish(std::move(*s), std::move(dom), opts);
+  }
+
+  std::shared_ptr<domain_state> st_ = std::make_shared<domain_state>();
+};
+
+}  // namespace
+
+result<std::shared_ptr<domain_impl>> make_tcp_domain(const domain_options&) {
+  return std::shared_ptr<domain_impl>(std::make_shared<tcp_domain>());
+}
+
+}  // namespace shuttle::detail

@@ -1,0 +1,116 @@
+// Wire format of the tcp provider (RDMA semantics over a TCP stream).
+//
+// A connection starts with a hello from each side (versioned; carries the
+// receive pool geometry, so the initiator can refuse oversize sends and count
+// credits). Then both directions carry frames: a fixed 48-byte header,
+// followed by a payload for SEND, WRITE, WRITE_IMM and READ_RESP.
+//
+// Everything here is pure (bytes in, values out): the connection engine and
+// the fuzz target share it, so what the fuzzer exercises is what runs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include <shuttle/error.hpp>
+#include <shuttle/result.hpp>
+
+namespace shuttle::tcp_wire {
+
+inline constexpr std::uint32_t hello_magic = 0x4C485453;  // "STHL" little-endian
+inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::size_t hello_size = 24;
+inline constexpr std::size_t header_size = 48;
+// Largest one-sided transfer (as verbs: 2^31 bytes).
+inline constexpr std::uint64_t max_rdma_length = std::uint64_t(1) << 31;
+// Largest receive buffer a peer may announce.
+inline constexpr std::uint64_t max_receive_buffer_size = std::uint64_t(1) << 30;
+inline constexpr std::uint32_t max_receive_buffers = 1u << 16;
+
+struct hello {
+  std::uint16_t version = protocol_version;
+  std::uint32_t receive_buffers = 0;
+  std::uint64_t receive_buffer_size = 0;
+};
+void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept;
+// protocol_error on a bad magic, an unknown version or silly sizes.
+result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept;
+
+enum class opcode : std::uint8_t {
+  send = 1,        // payload -> a posted receive; consumes a credit
+  write = 2,       // payload -> [addr, addr+length) of rkey
+  write_imm = 3,   // write + an empty message carrying imm; consumes a credit
+  read_req = 4,    // asks for [addr, addr+length) of rkey
+  cas = 5,         // arg0: expected, arg1: desired (8 bytes at addr)
+  faa = 6,         // arg0: addend
+  ack = 16,        // responder: every request up to and including seq succeeded
+  nak = 17,        // responder: request seq failed with `status`; nothing after it was done
+  read_resp = 18,  // responder: payload of read seq
+  atomic_resp = 19,  // responder: arg0 = the original value
+  credit = 20,     // arg0 receive buffers freed
+};
+
+enum class status : std::uint8_t {
+  ok = 0,
+  remote_access_error = 1,   // rkey unknown, out of bounds, rights missing, misaligned atomic
+  remote_operation_error = 2,
+};
+
+inline constexpr std::uint8_t flag_imm = 1;
+
+struct header {
+  opcode op{};
+  std::uint8_t flags = 0;
+  status st = status::ok;
+  std::uint32_t imm = 0;
+  std::uint64_t seq = 0;
+  std::uint64_t addr = 0;
+  std::uint32_t rkey = 0;
+  std::uint32_t length = 0;
+  std::uint64_t arg0 = 0;
+  std::uint64_t arg1 = 0;
+
+  // Bytes that follow the header on the wire.
+  std::size_t payload_length() const noexcept {
+    switch (op) {
+      case opcode::send:
+      case opcode::write:
+      case opcode::write_imm:
+      case opcode::read_resp: return length;
+      default: return 0;
+    }
+  }
+  bool is_request() const noexcept { return static_cast<std::uint8_t>(op) < 16; }
+};
+
+void encode_header(const header& h, std::span<std::byte, header_size> out) noexcept;
+
+// What the receiving side accepts.
+struct limits {
+  std::uint64_t max_send = 65536;  // our receive_buffer_size
+};
+
+// Parses and validates one header: known opcode, no unknown flags, zero
+// reserved bits, a status only where one belongs, lengths within limits
+// (SEND <= max_send, one-sided <= max_rdma_length, atomics exactly 8 bytes).
+// Anything else is errc::protocol_error.
+result<header> decode_header(std::span<const std::byte, header_size> in, const limits& lim) noexcept;
+
+// A registered region as the target sees it.
+struct region_view {
+  std::byte* addr = nullptr;
+  std::size_t length = 0;
+  unsigned access = 0;
+};
+
+// Checks a one-sided access to [addr, addr+len) of `r` needing `required`
+// rights (atomics also need 8-byte alignment and len == 8). Returns the
+// local pointer, or errc::remote_access_error. Overflow-safe.
+result<std::byte*> check_access(const region_view& r, std::uint64_t addr, std::uint64_t len,
+                                unsigned required, bool atomic) noexcept;
+
+// Access right a request needs (shuttle::access values); 0 for non one-sided.
+unsigned required_access(opcode op) noexcept;
+
+}  // namespace shuttle::tcp_wire

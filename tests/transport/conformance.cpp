@@ -1,0 +1,673 @@
+// Transport conformance: the same assertions against whichever provider
+// SHUTTLE_TRANSPORT selects (tcp on the host, verbs in a Soft-RoCE guest).
+// Every assertion is provider-neutral: only the API's documented semantics.
+// Exits 77 (meson: skipped) when the selected provider is not available.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "common.hpp"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+
+using namespace shuttle;
+using namespace transport_test;
+using namespace std::chrono_literals;
+
+namespace {
+const std::error_code canceled = std::make_error_code(std::errc::operation_canceled);
+}
+
+TEST_CASE("send/recv: data verified, sizes up to the maximum") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    REQUIRE(p.client.is_open());
+    REQUIRE(p.server.is_open());
+    CHECK(p.client.kind() == p.server.kind());
+    const std::size_t max = p.client.max_message_size();
+    CHECK(max >= 65536);
+    for (std::size_t n : {std::size_t(1), std::size_t(7), std::size_t(100), std::size_t(4096), std::size_t(65535),
+                          max}) {
+      auto data = pattern(n, static_cast<unsigned>(n));
+      auto [sr, rr] = co_await when_all(p.client.send(data), p.server.recv());
+      REQUIRE(sr.has_value());
+      REQUIRE(rr.has_value());
+      CHECK(rr->size() == n);
+      CHECK(std::memcmp(rr->data().data(), data.data(), n) == 0);
+      CHECK_FALSE(rr->imm().has_value());
+    }
+    // And the other way, many messages in a row (more than the receive pool:
+    // released messages return their buffers).
+    for (unsigned i = 0; i < 200; ++i) {
+      auto data = pattern(64 + i, i);
+      auto [sr, rr] = co_await when_all(p.server.send(data), p.client.recv());
+      REQUIRE(sr.has_value());
+      REQUIRE(rr.has_value());
+      REQUIRE(rr->size() == data.size());
+      CHECK(std::memcmp(rr->data().data(), data.data(), data.size()) == 0);
+    }
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("send/recv: messages arrive in order, pipelined") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    constexpr int n = 50;
+    std::vector<std::array<std::uint32_t, 4>> msgs(n);
+    auto sender = [](pair_t& p, std::vector<std::array<std::uint32_t, 4>>& msgs) -> task<void> {
+      std::vector<task<result<void>>> sends;
+      for (int i = 0; i < n; ++i) {
+        msgs[i] = {std::uint32_t(i), 1, 2, 3};
+        sends.push_back(p.client.send(std::as_bytes(std::span(msgs[i]))));
+      }
+      auto rs = co_await when_all(std::move(sends));
+      for (auto& r : rs) CHECK(r.has_value());
+    };
+    auto receiver = [](pair_t& p) -> task<void> {
+      for (int i = 0; i < n; ++i) {
+        auto m = co_await p.server.recv();
+        REQUIRE(m.has_value());
+        std::uint32_t v;
+        std::memcpy(&v, m->data().data(), 4);
+        CHECK(v == std::uint32_t(i));
+      }
+    };
+    co_await when_all(sender(p, msgs), receiver(p));
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("write, read, write_with_imm: data verified") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> target(1 << 20);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    CHECK(mr.size() == target.size());
+    CHECK(mr.data() == target.data());
+    auto rb = mr.remote();
+
+    for (std::size_t n : {std::size_t(1), std::size_t(100), std::size_t(65536), target.size()}) {
+      auto data = pattern(n, static_cast<unsigned>(n) + 1);
+      auto w = co_await p.client.write(data, rb);
+      REQUIRE(w.has_value());
+      CHECK(std::memcmp(target.data(), data.data(), n) == 0);  // placed when the write completes
+      std::vector<std::byte> back(n);
+      auto r = co_await p.client.read(back, rb);
+      REQUIRE(r.has_value());
+      CHECK(back == data);
+    }
+    // At an offset, through slice().
+    auto data = pattern(1000, 9);
+    auto sub = rb.slice(4096, 1000).value();
+    REQUIRE((co_await p.client.write(data, sub)).has_value());
+    CHECK(std::memcmp(target.data() + 4096, data.data(), 1000) == 0);
+    CHECK_FALSE(rb.slice(target.size() - 10, 11).has_value());
+
+    // Remote buffer descriptors survive serialisation.
+    std::array<std::byte, remote_buffer::wire_size> wire{};
+    rb.serialize(wire);
+    auto rb2 = remote_buffer::deserialize(wire);
+    CHECK(rb2.address == rb.address);
+    CHECK(rb2.rkey == rb.rkey);
+    CHECK(rb2.length == rb.length);
+
+    // write_with_imm: data placed, immediate delivered to a posted receive.
+    auto imm_data = pattern(5000, 11);
+    auto [w, m] = co_await when_all(p.client.write_with_imm(imm_data, rb, 0xC0FFEEu), p.server.recv());
+    REQUIRE(w.has_value());
+    REQUIRE(m.has_value());
+    REQUIRE(m->imm().has_value());
+    CHECK(*m->imm() == 0xC0FFEEu);
+    CHECK(std::memcmp(target.data(), imm_data.data(), imm_data.size()) == 0);
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("registration cache and deregistration") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> buf(8192);
+    auto a = p.server_domain->register_memory(buf, access::all).value();
+    auto b = p.server_domain->register_memory(buf, access::all).value();
+    CHECK(a.rkey() == b.rkey());  // served from the cache
+    auto rb = a.remote();
+    a = memory_region{};
+    b = memory_region{};
+    // Deregistered: the old rkey is refused.
+    auto data = pattern(16, 1);
+    auto w = co_await p.client.write(data, rb);
+    REQUIRE_FALSE(w.has_value());
+    CHECK(is_error(w.error(), errc::remote_access_error));
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("atomics: compare_and_swap and fetch_and_add") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    alignas(8) std::array<std::uint64_t, 4> words{10, 20, 30, 40};
+    auto mr = p.server_domain->register_memory(std::as_writable_bytes(std::span(words)), access::all).value();
+    auto w1 = mr.remote(8, 8);
+
+    auto c = co_await p.client.compare_and_swap(w1, 20, 21);  // matches
+    REQUIRE(c.has_value());
+    CHECK(*c == 20);
+    CHECK(words[1] == 21);
+    c = co_await p.client.compare_and_swap(w1, 20, 99);  // does not match
+    REQUIRE(c.has_value());
+    CHECK(*c == 21);
+    CHECK(words[1] == 21);
+
+    auto f = co_await p.client.fetch_and_add(mr.remote(16, 8), 5);
+    REQUIRE(f.has_value());
+    CHECK(*f == 30);
+    CHECK(words[2] == 35);
+    CHECK(words[0] == 10);
+    CHECK(words[3] == 40);
+
+    // Concurrent fetch_and_add from many ops: exact total, distinct old values.
+    constexpr int per_side = 100;
+    std::vector<task<result<std::uint64_t>>> ops;
+    for (int i = 0; i < per_side; ++i) ops.push_back(p.client.fetch_and_add(mr.remote(24, 8), 3));
+    auto rs = co_await when_all(std::move(ops));
+    std::vector<std::uint64_t> olds;
+    for (auto& r : rs) {
+      REQUIRE(r.has_value());
+      olds.push_back(*r);
+    }
+    CHECK(words[3] == 40 + 3 * per_side);
+    std::sort(olds.begin(), olds.end());
+    for (int i = 0; i < per_side; ++i) CHECK(olds[i] == 40 + 3 * std::uint64_t(i));  // each saw a distinct value
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("atomics: several connections add to one word") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    std::optional<domain> sd(domain::open().value());
+    alignas(8) std::uint64_t counter = 0;
+    auto mr = sd->register_memory(std::as_writable_bytes(std::span(&counter, 1)), access::all).value();
+    auto l = sd->listen(test_endpoint(0)).value();
+    auto ep = test_endpoint(l.local_endpoint().port());
+    constexpr int conns = 4, per = 50;
+    std::vector<pair_t> ps(conns);
+    for (auto& p : ps) {
+      p.client_domain.emplace(domain::open().value());
+      auto [s, c] = co_await when_all(l.accept(), p.client_domain->connect(ep));
+      p.server = std::move(s).value();
+      p.client = std::move(c).value();
+    }
+    std::vector<task<result<std::uint64_t>>> ops;
+    for (int i = 0; i < per; ++i)
+      for (auto& p : ps) ops.push_back(p.client.fetch_and_add(mr.remote(), 1));
+    auto rs = co_await when_all(std::move(ops));
+    for (auto& r : rs) CHECK(r.has_value());
+    CHECK(counter == std::uint64_t(conns * per));
+    for (auto& p : ps) co_await close_pair(p);
+    l.close();
+  }());
+}
+
+TEST_CASE("ordering: a write followed by a send is visible when the send arrives") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> target(256 * 1024);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    for (unsigned round = 0; round < 20; ++round) {
+      auto data = pattern(target.size(), round + 100);
+      std::array<std::byte, 4> note{std::byte(round)};
+      auto checker = [](pair_t& p, std::vector<std::byte>& target, std::vector<std::byte>& data,
+                        unsigned round) -> task<void> {
+        auto m = co_await p.server.recv();
+        REQUIRE(m.has_value());
+        CHECK(m->data()[0] == std::byte(round));
+        CHECK(std::memcmp(target.data(), data.data(), target.size()) == 0);
+      };
+      auto writer = [](pair_t& p, std::vector<std::byte>& data, remote_buffer rb,
+                       std::span<const std::byte> note) -> task<void> {
+        // Both posted back to back; the send is not awaited before the write.
+        auto [w, s] = co_await when_all(p.client.write(data, rb), p.client.send(note));
+        CHECK(w.has_value());
+        CHECK(s.has_value());
+      };
+      co_await when_all(checker(p, target, data, round), writer(p, data, mr.remote(), note));
+    }
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("remote access errors: bad rkey, out of bounds, missing rights; memory around untouched") {
+  struct variant_t {
+    const char* name;
+    unsigned access;
+    int op;  // 0 write, 1 read, 2 faa, 3 cas, 4 write_with_imm
+    std::int64_t offset;  // relative to the region start
+    std::size_t len;
+    bool bad_rkey;
+  };
+  const variant_t variants[] = {
+      {"write, bad rkey", access::all, 0, 0, 64, true},
+      {"read, bad rkey", access::all, 1, 0, 64, true},
+      {"write past the end", access::all, 0, 4096 - 32, 64, false},
+      {"write before the start", access::all, 0, -16, 64, false},
+      {"read past the end", access::all, 1, 4000, 200, false},
+      {"write without remote_write", access::local_write | access::remote_read, 0, 0, 64, false},
+      {"write_with_imm without remote_write", access::local_write | access::remote_read, 4, 0, 64, false},
+      {"read without remote_read", access::local_write | access::remote_write, 1, 0, 64, false},
+      {"fetch_and_add without remote_atomic", access::local_write | access::remote_write | access::remote_read, 2,
+       0, 8, false},
+      {"compare_and_swap without remote_atomic", access::local_write | access::remote_read, 3, 0, 8, false},
+      {"fetch_and_add past the end", access::all, 2, 4096, 8, false},
+  };
+  for (const auto& v : variants) {
+    SUBCASE(v.name) {
+      io_context ctx;
+      ctx.run([&]() -> task<void> {
+        pair_t p;
+        co_await make_pair(p);
+        // A region in the middle of guard pages.
+        std::vector<std::byte> mem(3 * 4096, std::byte{0x5A});
+        std::span<std::byte> region(mem.data() + 4096, 4096);
+        auto mr = p.server_domain->register_memory(region, v.access).value();
+        remote_buffer rb{mr.remote().address + v.offset, mr.rkey() + (v.bad_rkey ? 0x1234567u : 0u), v.len};
+        auto data = pattern(v.len, 3);
+        std::vector<std::byte> local(v.len);
+        std::error_code ec;
+        switch (v.op) {
+          case 0: ec = (co_await p.client.write(data, rb)).error(); break;
+          case 1: ec = (co_await p.client.read(local, rb)).error(); break;
+          case 2: ec = (co_await p.client.fetch_and_add(rb, 1)).error(); break;
+          case 3: ec = (co_await p.client.compare_and_swap(rb, 0x5A5A5A5A5A5A5A5Aull, 1)).error(); break;
+          case 4: ec = (co_await p.client.write_with_imm(data, rb, 7)).error(); break;
+        }
+        CHECK(ec == make_error_code(errc::remote_access_error));
+        // Nothing was touched, inside or around the region.
+        CHECK(std::all_of(mem.begin(), mem.end(), [](std::byte b) { return b == std::byte{0x5A}; }));
+        if (v.op == 1) CHECK(std::all_of(local.begin(), local.end(), [](std::byte b) { return b == std::byte{0}; }));
+        // The connection is in the error state: later operations fail.
+        CHECK_FALSE(p.client.is_open());
+        auto again = co_await p.client.send(data);
+        CHECK(is_error(again.error(), errc::disconnected));
+        auto r2 = co_await p.client.read(local, mr.remote(0, v.len));
+        CHECK(is_error(r2.error(), errc::disconnected));
+        co_await close_pair(p);
+      }());
+    }
+  }
+}
+
+TEST_CASE("operations queued behind a failing one fail with disconnected") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> region(4096);
+    auto mr = p.server_domain->register_memory(region, access::all).value();
+    auto good = pattern(64, 1);
+    remote_buffer bad{mr.remote().address, mr.rkey() ^ 0x8000u, 64};
+    auto [a, b, c] = co_await when_all(p.client.write(good, mr.remote(0, 64)), p.client.write(good, bad),
+                                       p.client.write(good, mr.remote(64, 64)));
+    CHECK(a.has_value());
+    CHECK(is_error(b.error(), errc::remote_access_error));
+    CHECK(is_error(c.error(), errc::disconnected));
+    CHECK(std::memcmp(region.data(), good.data(), 64) == 0);
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("oversize send fails with message_too_long; the connection stays usable") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> big(p.client.max_message_size() + 1);
+    auto r = co_await p.client.send(big);
+    CHECK(is_error(r.error(), errc::message_too_long));
+    CHECK(p.client.is_open());
+    auto small = pattern(10, 1);
+    auto [s, m] = co_await when_all(p.client.send(small), p.server.recv());
+    CHECK(s.has_value());
+    REQUIRE(m.has_value());
+    CHECK(m->size() == 10);
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("peer disconnect fails pending operations") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    auto pending_recv = [](pair_t& p, std::error_code& out) -> task<void> {
+      auto m = co_await p.client.recv();
+      out = m.error();
+    };
+    auto drop_server = [](pair_t& p) -> task<void> {
+      (void)co_await sleep_for(20ms);
+      p.server = connection{};  // aborts
+    };
+    std::error_code recv_error;
+    co_await when_all(pending_recv(p, recv_error), drop_server(p));
+    CHECK(recv_error);
+    // Later operations fail too, without hanging.
+    std::vector<std::byte> buf(64);
+    auto w = co_await with_timeout(p.client.send(buf), 5s);
+    CHECK_FALSE(w.has_value());
+    CHECK(w.error() != std::make_error_code(std::errc::timed_out));
+    CHECK_FALSE(p.client.is_open());
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("graceful close: in-flight operations finish first, then the peer sees the disconnect") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> target(1 << 20);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    auto data = pattern(target.size(), 5);
+    auto [w, c] = co_await when_all(p.client.write(data, mr.remote()), p.client.close());
+    CHECK(w.has_value());
+    CHECK(c.has_value());
+    CHECK(target == data);
+    CHECK_FALSE(p.client.is_open());
+    auto m = co_await with_timeout(p.server.recv(), 5s);
+    CHECK(is_error(m.error(), errc::disconnected));
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("cancellation: an operation waiting for a credit is cancelled alone") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options opts;
+    opts.receive_buffers = 2;
+    opts.receive_buffer_size = 1024;
+    pair_t p;
+    co_await make_pair(p, opts);
+    auto msg = pattern(100, 1);
+    // Fill the peer's receive buffers; nobody receives yet.
+    REQUIRE((co_await p.client.send(msg)).has_value());
+    REQUIRE((co_await p.client.send(msg)).has_value());
+    async_scope scope;
+    std::optional<result<void>> third;
+    auto sender = [](pair_t& p, std::span<const std::byte> msg, std::optional<result<void>>& out) -> task<void> {
+      out.emplace(co_await p.client.send(msg));
+    };
+    scope.spawn(sender(p, msg, third));
+    (void)co_await sleep_for(50ms);
+    CHECK_FALSE(third.has_value());  // waiting for a credit
+    scope.request_stop();
+    co_await scope.join();
+    REQUIRE(third.has_value());
+    CHECK(third->error() == canceled);
+    CHECK(p.client.is_open());
+    // Receiving frees the buffers; the connection works on.
+    for (int i = 0; i < 2; ++i) {
+      auto m = co_await p.server.recv();
+      REQUIRE(m.has_value());
+    }
+    auto [s, m] = co_await when_all(p.client.send(msg), p.server.recv());
+    CHECK(s.has_value());
+    REQUIRE(m.has_value());
+    CHECK(m->size() == msg.size());
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("cancellation: a pending recv is cancelled alone") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    auto r = co_await with_timeout(p.server.recv(), 30ms);
+    CHECK(r.error() == std::make_error_code(std::errc::timed_out));
+    CHECK(p.server.is_open());
+    auto msg = pattern(10, 2);
+    auto [s, m] = co_await when_all(p.client.send(msg), p.server.recv());
+    CHECK(s.has_value());
+    CHECK(m.has_value());
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("cancellation: an in-flight operation resumes only when its buffer is safe") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> target(32 << 20);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    auto local = std::make_unique<std::vector<std::byte>>(target.size());
+    async_scope scope;
+    std::optional<result<void>> out;
+    auto reader = [](pair_t& p, std::span<std::byte> local, remote_buffer rb,
+                     std::optional<result<void>>& out) -> task<void> { out.emplace(co_await p.client.read(local, rb)); };
+    scope.spawn(reader(p, *local, mr.remote(), out));
+    scope.request_stop();
+    co_await scope.join();
+    REQUIRE(out.has_value());
+    CHECK((out->has_value() || out->error() == canceled));
+    if (!out->has_value()) {
+      // The buffer may be freed right now: nothing writes it any more.
+      local.reset();
+      (void)co_await sleep_for(20ms);
+      CHECK_FALSE(p.client.is_open());
+      std::vector<std::byte> b(8);
+      auto r = co_await p.client.read(b, mr.remote(0, 8));
+      CHECK(is_error(r.error(), errc::disconnected));
+    }
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("64 connections at once") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options opts;
+    opts.receive_buffers = 8;
+    opts.receive_buffer_size = 4096;
+    opts.send_queue_depth = 16;
+    std::optional<domain> sd(domain::open().value()), cd(domain::open().value());
+    auto l = sd->listen(test_endpoint(0), opts).value();
+    auto ep = test_endpoint(l.local_endpoint().port());
+    constexpr int n = 64;
+    std::vector<std::byte> target(n * 4096);
+    auto mr = sd->register_memory(target, access::all).value();
+
+    auto serve = [](listener& l, std::vector<connection>& out) -> task<void> {
+      for (int i = 0; i < n; ++i) {
+        auto c = co_await l.accept();
+        REQUIRE(c.has_value());
+        out.push_back(std::move(*c));
+      }
+    };
+    auto client = [](domain& d, endpoint ep, connection_options opts, remote_buffer rb, int i,
+                     connection& keep) -> task<int> {
+      auto c = co_await d.connect(ep, opts);
+      if (!c) co_return 0;
+      auto data = pattern(4096, i);
+      auto w = co_await c->write(data, rb);
+      std::vector<std::byte> back(4096);
+      auto r = co_await c->read(back, rb);
+      auto s = co_await c->send(std::span(data).first(100));
+      keep = std::move(*c);  // closed once the server has received
+      co_return (w && r && s && back == data) ? 1 : 0;
+    };
+    std::vector<connection> server_side;
+    std::vector<connection> client_side(n);
+    std::vector<task<int>> clients;
+    for (int i = 0; i < n; ++i)
+      clients.push_back(client(*cd, ep, opts, mr.remote(i * 4096, 4096), i, client_side[i]));
+    auto [ok, _] = co_await when_all(when_all(std::move(clients)), serve(l, server_side));
+    int good = 0;
+    for (int v : ok) good += v;
+    CHECK(good == n);
+    for (int i = 0; i < n; ++i) {
+      auto m = co_await with_timeout(server_side[i].recv(), 5s);
+      REQUIRE(m.has_value());
+      CHECK(m->size() == 100);
+    }
+    for (int i = 0; i < n; ++i) CHECK(std::memcmp(target.data() + i * 4096, pattern(4096, i).data(), 4096) == 0);
+    for (auto& c : client_side) (void)co_await c.close();
+    for (auto& c : server_side) (void)co_await c.close();
+    l.close();
+    (void)co_await sleep_for(5ms);
+  }());
+}
+
+TEST_CASE("connect: refused and timeout") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    std::optional<domain> d(domain::open().value());
+    // A port nobody listens on.
+    std::uint16_t port;
+    {
+      auto l = d->listen(test_endpoint(0)).value();
+      port = l.local_endpoint().port();
+    }
+    auto c = co_await d->connect(test_endpoint(port));
+    CHECK_FALSE(c.has_value());
+  }());
+}
+
+// The peer of the kill test is forked at the start of main, before any
+// provider state exists (libibverbs state must not be inherited by a child).
+namespace {
+int peer_pipe = -1;
+pid_t peer_pid = -1;
+
+[[noreturn]] void peer_child(int fd) {
+  std::uint16_t port = 0;
+  if (::read(fd, &port, sizeof port) != sizeof port) ::_exit(0);  // not needed this run
+  try {
+    io_context cctx;
+    cctx.run([](std::uint16_t port) -> task<void> {
+      auto d = domain::open().value();
+      std::vector<std::byte> mem(64 << 20, std::byte{1});
+      auto mr = d.register_memory(mem, access::all).value();
+      auto c = (co_await d.connect(test_endpoint(port))).value();
+      std::array<std::byte, remote_buffer::wire_size> wire{};
+      mr.remote().serialize(wire);
+      (void)co_await c.send(wire);
+      (void)co_await sleep_for(std::chrono::hours(1));
+    }(port));
+  } catch (...) {
+  }
+  ::_exit(0);
+}
+
+void fork_peer() {
+  int fds[2];
+  if (::pipe(fds) != 0) return;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[1]);
+    peer_child(fds[0]);
+  }
+  ::close(fds[0]);
+  if (pid < 0) {
+    ::close(fds[1]);
+    return;
+  }
+  peer_pipe = fds[1];
+  peer_pid = pid;
+}
+
+void reap_peer() {
+  if (peer_pipe >= 0) ::close(std::exchange(peer_pipe, -1));
+  if (peer_pid > 0) {
+    int status = 0;
+    ::waitpid(std::exchange(peer_pid, -1), &status, 0);
+  }
+}
+}  // namespace
+
+TEST_CASE("peer process killed mid-transfer: pending operations fail, no hang") {
+  REQUIRE(peer_pid > 0);
+  pid_t child = peer_pid;
+  int pipefd[2] = {-1, peer_pipe};
+  peer_pipe = -1;
+  io_context ctx;
+  ctx.run([&]() -> task<void> {
+    std::optional<domain> d(domain::open().value());
+    auto l = d->listen(test_endpoint(0)).value();
+    std::uint16_t port = l.local_endpoint().port();
+    REQUIRE(::write(pipefd[1], &port, sizeof port) == sizeof port);
+    ::close(pipefd[1]);
+    auto c = (co_await l.accept()).value();
+    auto m = (co_await c.recv()).value();
+    REQUIRE(m.size() == remote_buffer::wire_size);
+    auto rb = remote_buffer::deserialize(m.data().first<remote_buffer::wire_size>());
+    m.reset();
+    std::vector<std::byte> local(rb.length);
+    auto killer = [](pid_t child) -> task<void> {
+      (void)co_await sleep_for(30ms);
+      ::kill(child, SIGKILL);
+    };
+    auto transfers = [](connection& c, std::vector<std::byte>& local, remote_buffer rb,
+                        std::error_code& out) -> task<void> {
+      // Large reads and writes back to back until one fails.
+      for (int i = 0; i < 100000; ++i) {
+        auto [r, w] = co_await when_all(c.read(local, rb), c.write(local, rb));
+        if (!r) {
+          out = r.error();
+          co_return;
+        }
+        if (!w) {
+          out = w.error();
+          co_return;
+        }
+      }
+    };
+    std::error_code ec;
+    auto [t, _] = co_await when_all(with_timeout(transfers(c, local, rb, ec), 20s), killer(child));
+    REQUIRE(t.has_value());  // no hang
+    CHECK(ec);               // failed
+    CHECK_FALSE(c.is_open());
+    (void)co_await c.close();
+    l.close();
+    (void)co_await sleep_for(5ms);
+  }());
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  peer_pid = -1;
+  CHECK(WIFSIGNALED(status));
+}
+
+int main(int argc, char** argv) {
+  fork_peer();  // first: before any provider state exists
+  const char* sel = std::getenv("SHUTTLE_TRANSPORT");
+  {
+    auto d = domain::open();
+    if (!d) {
+      std::printf("SKIP: transport provider '%s' is not available: %s\n", sel ? sel : "auto",
+                  d.error().message().c_str());
+      reap_peer();
+      return d.error() == make_error_code(errc::not_supported) ? 77 : 1;
+    }
+    std::printf("transport conformance: provider %s (%s)\n", to_string(d->kind()), d->describe().c_str());
+  }
+  doctest::Context context(argc, argv);
+  int rc = context.run();
+  reap_peer();
+  return rc;
+}

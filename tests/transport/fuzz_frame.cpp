@@ -1,0 +1,100 @@
+// libFuzzer target for the tcp provider's frame decoder and the target-side
+// access checks, exactly as the connection engine applies them: a hello, then
+// frames; every one-sided request is checked against a registered region
+// before its payload is placed (ASan catches any byte outside it). A frame
+// that fails to decode, a truncated one, or a refused access ends the
+// "connection", as in the engine.
+//
+// Addresses: the region is placed at 0x10000 in the fuzzer's address space
+// (wrapping arithmetic maps any 64-bit address), so the bounds checks are
+// fully explored.
+#include "wire.hpp"
+
+#include <shuttle/transport.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+using namespace shuttle;
+using namespace shuttle::tcp_wire;
+
+namespace {
+constexpr std::uint64_t fuzz_base = 0x10000;
+constexpr std::uint32_t fuzz_rkey = 0x1234;
+constexpr std::size_t region_size = 256;
+constexpr std::size_t receive_size = 1024;
+
+[[noreturn]] void fail() { std::abort(); }
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  auto bytes = std::as_bytes(std::span(data, size));
+  // Exact-size heap blocks: ASan flags any access outside them.
+  auto region = std::make_unique<std::uint64_t[]>(region_size / 8);
+  auto* base = reinterpret_cast<std::byte*>(region.get());
+  auto recvbuf = std::make_unique<std::byte[]>(receive_size);
+  auto readback = std::make_unique<std::byte[]>(region_size);
+  // Access rights come from the first byte, so every combination is reachable.
+  unsigned rights = bytes.empty() ? access::all : (std::to_integer<unsigned>(bytes[0]) & access::all);
+  if (!bytes.empty()) bytes = bytes.subspan(1);
+
+  if (bytes.size() < hello_size) return 0;
+  (void)decode_hello(bytes.first<hello_size>());
+  bytes = bytes.subspan(hello_size);
+
+  limits lim;
+  lim.max_send = receive_size;
+  while (bytes.size() >= header_size) {
+    auto h = decode_header(bytes.first<header_size>(), lim);
+    bytes = bytes.subspan(header_size);
+    if (!h) return 0;  // protocol error: the connection closes
+    const std::size_t payload = h->payload_length();
+    if (payload > bytes.size()) return 0;  // truncated: EOF mid-frame
+    auto body = bytes.first(payload);
+    bytes = bytes.subspan(payload);
+    switch (h->op) {
+      case opcode::send:
+        if (h->length > receive_size) fail();  // the decoder must have refused it
+        std::memcpy(recvbuf.get(), body.data(), body.size());
+        break;
+      case opcode::write:
+      case opcode::write_imm:
+      case opcode::read_req:
+      case opcode::cas:
+      case opcode::faa: {
+        region_view view;
+        if (h->rkey == fuzz_rkey) view = {base, region_size, rights};
+        const std::uint64_t addr = reinterpret_cast<std::uint64_t>(base) + (h->addr - fuzz_base);
+        const bool atomic = h->op == opcode::cas || h->op == opcode::faa;
+        auto target = check_access(view, addr, h->length, required_access(h->op), atomic);
+        if (!target) return 0;  // NAK: the connection goes to the error state
+        std::byte* p = *target;
+        if (p < base || p + h->length > base + region_size) fail();
+        if ((rights & required_access(h->op)) != required_access(h->op)) fail();
+        if (h->op == opcode::write || h->op == opcode::write_imm) {
+          std::memcpy(p, body.data(), body.size());
+        } else if (h->op == opcode::read_req) {
+          std::memcpy(readback.get(), p, h->length);
+        } else {
+          std::atomic_ref<std::uint64_t> w(*reinterpret_cast<std::uint64_t*>(p));
+          if (h->op == opcode::faa) {
+            (void)w.fetch_add(h->arg0);
+          } else {
+            std::uint64_t e = h->arg0;
+            (void)w.compare_exchange_strong(e, h->arg1);
+          }
+        }
+        break;
+      }
+      case opcode::read_resp:
+        if (body.size() > max_rdma_length) fail();
+        break;
+      default:
+        if (payload != 0) fail();
+        break;
+    }
+  }
+  return 0;
+}

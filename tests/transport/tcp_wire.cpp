@@ -1,0 +1,338 @@
+// tcp provider specifics: the frame decoder (pure), the fuzz entry point on
+// random and mutated inputs (so gcc builds exercise it too), and corrupt,
+// truncated and oversize frames sent by a raw TCP peer.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include "common.hpp"
+#include "wire.hpp"
+
+#include <random>
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size);
+
+using namespace shuttle;
+using namespace shuttle::tcp_wire;
+using namespace transport_test;
+using namespace std::chrono_literals;
+
+namespace {
+std::array<std::byte, header_size> enc(const header& h) {
+  std::array<std::byte, header_size> b{};
+  encode_header(h, b);
+  return b;
+}
+domain_options tcp_options() {
+  domain_options o;
+  o.kind = transport_kind::tcp;
+  return o;
+}
+bool proto(const std::error_code& ec) { return ec == make_error_code(errc::protocol_error); }
+}  // namespace
+
+TEST_CASE("wire: hello round trip and refusal") {
+  std::array<std::byte, hello_size> b{};
+  hello h;
+  h.receive_buffers = 64;
+  h.receive_buffer_size = 65536;
+  encode_hello(h, b);
+  auto d = decode_hello(b);
+  REQUIRE(d.has_value());
+  CHECK(d->receive_buffers == 64);
+  CHECK(d->receive_buffer_size == 65536);
+  auto bad = b;
+  bad[0] = std::byte{'X'};
+  CHECK(proto(decode_hello(bad).error()));
+  bad = b;
+  bad[4] = std::byte{2};  // version 2
+  CHECK(proto(decode_hello(bad).error()));
+  h.receive_buffer_size = max_receive_buffer_size + 1;
+  encode_hello(h, b);
+  CHECK(proto(decode_hello(b).error()));
+  h.receive_buffer_size = 1;
+  h.receive_buffers = 0;
+  encode_hello(h, b);
+  CHECK(proto(decode_hello(b).error()));
+}
+
+TEST_CASE("wire: header round trip and validation") {
+  limits lim;
+  lim.max_send = 1000;
+  header w;
+  w.op = opcode::write_imm;
+  w.flags = flag_imm;
+  w.imm = 42;
+  w.seq = 7;
+  w.addr = 0x1122334455667788ull;
+  w.rkey = 99;
+  w.length = 12345;
+  auto d = decode_header(enc(w), lim);
+  REQUIRE(d.has_value());
+  CHECK(d->op == opcode::write_imm);
+  CHECK(d->imm == 42);
+  CHECK(d->seq == 7);
+  CHECK(d->addr == w.addr);
+  CHECK(d->rkey == 99);
+  CHECK(d->payload_length() == 12345);
+
+  header s;
+  s.op = opcode::send;
+  s.length = 1000;
+  CHECK(decode_header(enc(s), lim).has_value());
+  s.length = 1001;  // larger than our receive buffers
+  CHECK(proto(decode_header(enc(s), lim).error()));
+
+  header r;
+  r.op = opcode::read_req;
+  r.length = static_cast<std::uint32_t>(max_rdma_length - 1);
+  CHECK(decode_header(enc(r), lim).has_value());
+  CHECK(decode_header(enc(r), lim)->payload_length() == 0);
+
+  auto raw = enc(w);
+  raw[0] = std::byte{99};  // unknown opcode
+  CHECK(proto(decode_header(raw, lim).error()));
+  raw = enc(w);
+  raw[1] = std::byte{0x80};  // unknown flag
+  CHECK(proto(decode_header(raw, lim).error()));
+  raw = enc(w);
+  raw[3] = std::byte{1};  // reserved
+  CHECK(proto(decode_header(raw, lim).error()));
+  raw = enc(w);
+  raw[2] = std::byte{1};  // status on a request
+  CHECK(proto(decode_header(raw, lim).error()));
+
+  header a;
+  a.op = opcode::faa;
+  a.length = 4;  // atomics are 8 bytes
+  CHECK(proto(decode_header(enc(a), lim).error()));
+  header n;
+  n.op = opcode::nak;  // a NAK needs a failure status
+  CHECK(proto(decode_header(enc(n), lim).error()));
+  n.st = status::remote_access_error;
+  CHECK(decode_header(enc(n), lim).has_value());
+  header c;
+  c.op = opcode::credit;  // zero credits
+  CHECK(proto(decode_header(enc(c), lim).error()));
+  c.arg0 = 3;
+  CHECK(decode_header(enc(c), lim).has_value());
+}
+
+TEST_CASE("wire: access checks are exact and overflow-safe") {
+  alignas(8) std::byte mem[64];
+  region_view v{mem, 64, access::all};
+  auto base = reinterpret_cast<std::uint64_t>(mem);
+  CHECK(check_access(v, base, 64, access::remote_write, false).has_value());
+  CHECK(check_access(v, base + 64, 0, access::remote_write, false).has_value());
+  CHECK_FALSE(check_access(v, base + 1, 64, access::remote_write, false).has_value());
+  CHECK_FALSE(check_access(v, base - 1, 2, access::remote_write, false).has_value());
+  CHECK_FALSE(check_access(v, base + 8, ~std::uint64_t(0) - 4, access::remote_write, false).has_value());
+  CHECK_FALSE(check_access(v, ~std::uint64_t(0), 2, access::remote_write, false).has_value());
+  CHECK(check_access(v, base + 56, 8, access::remote_atomic, true).has_value());
+  CHECK_FALSE(check_access(v, base + 60, 4, access::remote_atomic, true).has_value());
+  CHECK_FALSE(check_access(v, base + 4, 8, access::remote_atomic, true).has_value());
+  region_view ro{mem, 64, access::remote_read};
+  CHECK_FALSE(check_access(ro, base, 8, access::remote_write, false).has_value());
+  CHECK(check_access(ro, base, 8, access::remote_read, false).has_value());
+  CHECK_FALSE(check_access(region_view{}, base, 8, access::remote_read, false).has_value());
+}
+
+TEST_CASE("wire: fuzz entry point on random and mutated inputs") {
+  std::mt19937_64 rng(12345);
+  // Valid streams, then mutated.
+  for (int iter = 0; iter < 20000; ++iter) {
+    std::vector<std::uint8_t> in;
+    in.push_back(static_cast<std::uint8_t>(rng()));
+    std::array<std::byte, hello_size> hb{};
+    hello h;
+    h.receive_buffers = 4;
+    h.receive_buffer_size = 1024;
+    encode_hello(h, hb);
+    for (auto b : hb) in.push_back(std::to_integer<std::uint8_t>(b));
+    int frames = 1 + static_cast<int>(rng() % 6);
+    for (int f = 0; f < frames; ++f) {
+      header fr;
+      fr.op = static_cast<opcode>(std::array{1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20}[rng() % 11]);
+      fr.seq = rng() % 10;
+      fr.addr = 0x10000 + (rng() % 300) - 20;
+      fr.rkey = rng() % 4 ? 0x1234 : static_cast<std::uint32_t>(rng());
+      fr.length = static_cast<std::uint32_t>(rng() % 300);
+      if (fr.op == opcode::cas || fr.op == opcode::faa) fr.length = 8;
+      for (auto b : enc(fr)) in.push_back(std::to_integer<std::uint8_t>(b));
+      for (std::size_t i = 0; i < fr.payload_length(); ++i) in.push_back(static_cast<std::uint8_t>(rng()));
+    }
+    int mutations = static_cast<int>(rng() % 4);
+    for (int m = 0; m < mutations && !in.empty(); ++m) in[rng() % in.size()] ^= static_cast<std::uint8_t>(1u << (rng() % 8));
+    if (rng() % 4 == 0) in.resize(rng() % (in.size() + 1));
+    LLVMFuzzerTestOneInput(in.data(), in.size());
+  }
+  // Pure noise.
+  for (int iter = 0; iter < 5000; ++iter) {
+    std::vector<std::uint8_t> in(rng() % 512);
+    for (auto& b : in) b = static_cast<std::uint8_t>(rng());
+    LLVMFuzzerTestOneInput(in.data(), in.size());
+  }
+}
+
+namespace {
+// A raw TCP client that completes the hello, then sends `frames` bytes; the
+// accepted connection must fail with `expect` and leave `region` untouched.
+task<void> raw_peer_case(std::vector<std::byte> (*make)(std::uint64_t addr, std::uint32_t rkey), errc expect) {
+  auto d = domain::open(tcp_options()).value();
+  std::vector<std::byte> mem(3 * 1024, std::byte{0x77});
+  std::span<std::byte> region(mem.data() + 1024, 1024);
+  auto mr = d.register_memory(region, access::all).value();
+  auto l = d.listen(endpoint::loopback(0)).value();
+  auto ep = endpoint::loopback(l.local_endpoint().port());
+  auto raw = [](endpoint ep, std::vector<std::byte> bytes) -> task<void> {
+    auto s = (co_await tcp_socket::connect(ep)).value();
+    std::array<std::byte, hello_size> hb{};
+    hello h;
+    h.receive_buffers = 4;
+    h.receive_buffer_size = 1024;
+    encode_hello(h, hb);
+    (void)co_await s.write_all(hb);
+    (void)co_await s.read_exact(hb);
+    (void)co_await s.write_all(bytes);
+    (void)s.shutdown(SHUT_WR);
+    // Read until the provider closes on us.
+    std::array<std::byte, 256> sink{};
+    for (;;) {
+      auto n = co_await s.read_some(sink);
+      if (!n || *n == 0) break;
+    }
+  };
+  auto server = [](listener& l, errc expect) -> task<void> {
+    auto c = (co_await l.accept()).value();
+    // Messages are held (their buffers stay taken) until the error comes.
+    std::vector<message> held;
+    std::error_code ec;
+    for (;;) {
+      auto m = co_await with_timeout(c.recv(), 5s);
+      if (!m) {
+        ec = m.error();
+        break;
+      }
+      held.push_back(std::move(*m));
+    }
+    CHECK(ec == make_error_code(expect));
+    CHECK_FALSE(c.is_open());
+    (void)co_await c.close();
+  };
+  co_await when_all(raw(ep, make(mr.remote().address, mr.rkey())), server(l, expect));
+  CHECK(std::all_of(mem.begin(), mem.end(), [](std::byte b) { return b == std::byte{0x77}; }));
+  l.close();
+  (void)co_await sleep_for(5ms);
+}
+
+std::vector<std::byte> bytes_of(std::initializer_list<header> hs, std::size_t extra = 0) {
+  std::vector<std::byte> v;
+  for (const auto& h : hs) {
+    auto b = enc(h);
+    v.insert(v.end(), b.begin(), b.end());
+  }
+  v.resize(v.size() + extra, std::byte{0x11});
+  return v;
+}
+}  // namespace
+
+TEST_CASE("raw peer: corrupt header closes with protocol_error") {
+  io_context ctx;
+  ctx.run(raw_peer_case(
+      [](std::uint64_t, std::uint32_t) {
+        std::vector<std::byte> v(header_size, std::byte{0xEE});
+        return v;
+      },
+      errc::protocol_error));
+}
+
+TEST_CASE("raw peer: oversize SEND closes with protocol_error") {
+  io_context ctx;
+  ctx.run(raw_peer_case(
+      [](std::uint64_t, std::uint32_t) {
+        header h;
+        h.op = opcode::send;
+        h.length = 1 << 20;  // the provider's buffers are 64 KiB
+        return bytes_of({h}, 100);
+      },
+      errc::protocol_error));
+}
+
+TEST_CASE("raw peer: SENDs beyond the credits close with protocol_error") {
+  io_context ctx;
+  ctx.run(raw_peer_case(
+      [](std::uint64_t, std::uint32_t) {
+        std::vector<std::byte> v;
+        for (int i = 0; i < 65; ++i) {  // 64 receive buffers by default
+          header h;
+          h.op = opcode::send;
+          h.seq = i + 1;
+          h.length = 1;
+          auto b = bytes_of({h}, 1);
+          v.insert(v.end(), b.begin(), b.end());
+        }
+        return v;
+      },
+      errc::protocol_error));
+}
+
+TEST_CASE("raw peer: truncated WRITE (EOF mid-payload) fails with disconnected, region untouched outside") {
+  io_context ctx;
+  ctx.run(raw_peer_case(
+      [](std::uint64_t addr, std::uint32_t rkey) {
+        header h;
+        h.op = opcode::write;
+        h.seq = 1;
+        h.addr = addr + 1024 - 8;  // out of bounds: refused before any byte
+        h.rkey = rkey;
+        h.length = 64;
+        return bytes_of({h}, 10);
+      },
+      errc::disconnected));
+}
+
+TEST_CASE("raw peer: unsolicited response closes with protocol_error") {
+  io_context ctx;
+  ctx.run(raw_peer_case(
+      [](std::uint64_t, std::uint32_t) {
+        header h;
+        h.op = opcode::atomic_resp;
+        h.seq = 5;
+        return bytes_of({h});
+      },
+      errc::protocol_error));
+}
+
+TEST_CASE("raw peer: a bad hello is dropped, the listener serves the next client") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto d = domain::open(tcp_options()).value();
+    auto d2 = domain::open(tcp_options()).value();
+    auto l = d.listen(endpoint::loopback(0)).value();
+    auto ep = endpoint::loopback(l.local_endpoint().port());
+    auto bad = [](endpoint ep) -> task<void> {
+      auto s = (co_await tcp_socket::connect(ep)).value();
+      std::vector<std::byte> junk(hello_size, std::byte{0x42});
+      (void)co_await s.write_all(junk);
+      std::array<std::byte, 64> sink{};
+      for (;;) {
+        auto n = co_await s.read_some(sink);
+        if (!n || *n == 0) break;
+      }
+    };
+    auto good = [](domain& d2, endpoint ep) -> task<result<connection>> {
+      (void)co_await sleep_for(20ms);
+      co_return co_await d2.connect(ep);
+    };
+    auto [a, b, c] = co_await when_all(l.accept(), bad(ep), good(d2, ep));
+    REQUIRE(a.has_value());
+    REQUIRE(c.has_value());
+    auto msg = pattern(10, 1);
+    auto [s, m] = co_await when_all(c->send(msg), a->recv());
+    CHECK(s.has_value());
+    CHECK(m.has_value());
+    (void)co_await c->close();
+    (void)co_await a->close();
+    l.close();
+    (void)co_await sleep_for(5ms);
+  }());
+}
