@@ -1,5 +1,6 @@
 // Built when shuttle has no verbs provider: opening one says so.
 #include <shuttle/detail/transport_impl.hpp>
+#include <shuttle/verbs/verbs.hpp>
 
 namespace shuttle::detail {
 
@@ -8,3 +9,8 @@ result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options&) {
 }
 
 }  // namespace shuttle::detail
+
+namespace shuttle::verbs {
+result<void> set_busy_poll_budget(domain&, std::chrono::nanoseconds) { return make_error_code(errc::not_supported); }
+result<domain_stats> stats(const domain&) { return make_error_code(errc::not_supported); }
+}  // namespace shuttle::verbs

@@ -1,0 +1,416 @@
+// Verbs-specific tests, run inside the Soft-RoCE guest (tests/softrdma).
+// The provider-neutral behaviour is covered by tests/transport/conformance.cpp
+// (conformance-verbs); these add what only the verbs provider has: device
+// and GID selection, the registration cache, CQ sharing and policy, credits,
+// resource hygiene over many connection cycles, a killed peer process.
+#include <doctest/doctest.h>
+
+#include <shuttle/shuttle.hpp>
+#include <shuttle/transport.hpp>
+#include <shuttle/verbs/verbs.hpp>
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+using namespace shuttle;
+using namespace std::chrono_literals;
+
+namespace {
+
+endpoint test_endpoint(std::uint16_t port) {
+  const char* a = std::getenv("SHUTTLE_TEST_ADDR");
+  std::string host = a && *a ? a : "192.168.77.1";
+  return endpoint::parse(host + ":" + std::to_string(port)).value();
+}
+
+domain open_verbs() {
+  domain_options o;
+  o.kind = transport_kind::verbs;
+  auto d = domain::open(o);
+  if (!d) {
+    std::printf("no verbs domain: %s\n", d.error().message().c_str());
+    std::exit(77);
+  }
+  return std::move(*d);
+}
+
+std::vector<std::byte> pattern(std::size_t n, unsigned seed) {
+  std::vector<std::byte> v(n);
+  std::uint32_t x = seed * 2654435761u + 1;
+  for (auto& b : v) {
+    x = x * 1103515245u + 12345u;
+    b = static_cast<std::byte>(x >> 16);
+  }
+  return v;
+}
+
+int count_fds() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (readdir(d)) ++n;
+    closedir(d);
+  }
+  return n;
+}
+
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::atol(line.c_str() + 6);
+  return 0;
+}
+
+struct pair_t {
+  listener l;
+  connection server, client;
+};
+
+task<void> make_pair(domain& sd, domain& cd, pair_t& p, connection_options opts = {}) {
+  p.l = sd.listen(test_endpoint(0), opts).value();
+  auto ep = test_endpoint(p.l.local_endpoint().port());
+  auto [s, c] = co_await when_all(p.l.accept(), cd.connect(ep, opts));
+  p.server = std::move(s).value();
+  p.client = std::move(c).value();
+}
+
+}  // namespace
+
+// First: fork before this process touched any RDMA resource.
+TEST_CASE("peer process killed mid-transfer: pending operations fail, no hang, no leak") {
+  int pipefd[2];
+  REQUIRE(::pipe(pipefd) == 0);
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(pipefd[1]);
+    std::uint16_t port = 0;
+    if (::read(pipefd[0], &port, sizeof port) != sizeof port) ::_exit(1);
+    io_context cctx;
+    cctx.run([](std::uint16_t port) -> task<void> {
+      auto d = open_verbs();
+      std::vector<std::byte> mem(16 << 20, std::byte{1});
+      auto mr = d.register_memory(mem, access::all).value();
+      auto c = co_await d.connect(test_endpoint(port));
+      if (!c) {
+        std::fprintf(stderr, "child: connect: %s\n", c.error().message().c_str());
+        ::_exit(2);
+      }
+      std::array<std::byte, remote_buffer::wire_size> wire{};
+      mr.remote().serialize(wire);
+      (void)co_await c->send(wire);
+      (void)co_await sleep_for(std::chrono::hours(1));
+    }(port));
+    ::_exit(0);
+  }
+  ::close(pipefd[0]);
+  io_context ctx;
+  ctx.run([&]() -> task<void> {
+    auto d = open_verbs();
+    auto l = d.listen(test_endpoint(0)).value();
+    std::uint16_t port = l.local_endpoint().port();
+    REQUIRE(::write(pipefd[1], &port, sizeof port) == sizeof port);
+    ::close(pipefd[1]);
+    auto c = co_await with_timeout(l.accept(), 20s);
+    REQUIRE(c.has_value());
+    auto m = co_await with_timeout(c->recv(), 20s);
+    REQUIRE(m.has_value());
+    REQUIRE(m->size() == remote_buffer::wire_size);
+    auto rb = remote_buffer::deserialize(m->data().first<remote_buffer::wire_size>());
+    m->reset();
+    std::vector<std::byte> local(1 << 20);
+    rb = rb.slice(0, local.size()).value();
+    auto killer = [](pid_t child) -> task<void> {
+      (void)co_await sleep_for(50ms);
+      ::kill(child, SIGKILL);
+    };
+    auto transfers = [](connection& c, std::vector<std::byte>& local, remote_buffer rb, std::error_code& out,
+                        int& n) -> task<void> {
+      for (n = 0; n < 100000; ++n) {
+        auto r = co_await c.read(local, rb);
+        if (!r) {
+          out = r.error();
+          co_return;
+        }
+      }
+    };
+    std::error_code ec;
+    int n = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    auto [t, _] = co_await when_all(with_timeout(transfers(*c, local, rb, ec, n), 60s), killer(child));
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("peer killed: %d reads done, then '%s' [%s] after %lld ms\n", n, ec.message().c_str(),
+                ec.category().name(), static_cast<long long>(ms));
+    REQUIRE(t.has_value());  // no hang
+    CHECK(ec);
+    CHECK_FALSE(c->is_open());
+    auto again = co_await c->read(local, rb);
+    CHECK(again.error() == make_error_code(errc::disconnected));
+    *c = connection{};
+    l.close();
+    for (int i = 0; i < 200 && verbs::stats(d)->live_connections > 0; ++i) (void)co_await sleep_for(10ms);
+    CHECK(verbs::stats(d)->live_connections == 0);
+  }());
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  CHECK(WIFSIGNALED(status));
+}
+
+TEST_CASE("device, port and GID selection") {
+  auto devs = verbs::list_devices().value();
+  REQUIRE_FALSE(devs.empty());
+  std::printf("%s", verbs::describe_devices().c_str());
+  CHECK(devs[0].ports.at(0).active);
+  CHECK(devs[0].ports[0].ipv4_gid_index >= 0);
+  io_context ctx;
+  auto d = open_verbs();
+  std::printf("%s\n", d.describe().c_str());
+  CHECK(d.kind() == transport_kind::verbs);
+  CHECK(d.describe().find("::ffff:") != std::string::npos);  // the IPv4-mapped RoCE v2 GID
+  domain_options o;
+  o.kind = transport_kind::verbs;
+  o.device = "nonexistent0";
+  CHECK(domain::open(o).error() == make_error_code(errc::not_supported));
+}
+
+TEST_CASE("every operation with data verified; registration cache; inline sends") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    pair_t p;
+    co_await make_pair(sd, cd, p);
+    std::vector<std::byte> target(1 << 20);
+    auto mr = sd.register_memory(target, access::all).value();
+    // Explicit registrations are cached by range and rights.
+    auto mr2 = sd.register_memory(target, access::all).value();
+    CHECK(mr2.impl() == mr.impl());
+    auto before = verbs::stats(cd).value();
+
+    auto data = pattern(256 << 10, 1);
+    for (int i = 0; i < 4; ++i) REQUIRE((co_await p.client.write(data, mr.remote(0, data.size()))).has_value());
+    CHECK(std::memcmp(target.data(), data.data(), data.size()) == 0);
+    std::vector<std::byte> back(data.size());
+    REQUIRE((co_await p.client.read(back, mr.remote(0, back.size()))).has_value());
+    CHECK(back == data);
+    auto after = verbs::stats(cd).value();
+    // data registered once, back once; the repeated writes hit the cache.
+    CHECK(after.registrations - before.registrations == 2);
+    CHECK(after.cache_hits - before.cache_hits >= 3);
+
+    // write_with_imm: data placed, immediate delivered to the peer's recv.
+    auto d2 = pattern(5000, 2);
+    REQUIRE((co_await p.client.write_with_imm(d2, mr.remote(4096, d2.size()), 0xC0FFEE)).has_value());
+    auto m = (co_await p.server.recv()).value();
+    REQUIRE(m.imm().has_value());
+    CHECK(*m.imm() == 0xC0FFEEu);
+    CHECK(m.size() == 0);
+    CHECK(std::memcmp(target.data() + 4096, d2.data(), d2.size()) == 0);
+
+    // Atomics.
+    std::uint64_t* word = reinterpret_cast<std::uint64_t*>(target.data() + 8192);
+    *word = 40;
+    CHECK((co_await p.client.fetch_and_add(mr.remote(8192, 8), 2)).value() == 40);
+    CHECK(*word == 42);
+    CHECK((co_await p.client.compare_and_swap(mr.remote(8192, 8), 42, 7)).value() == 42);
+    CHECK(*word == 7);
+    CHECK((co_await p.client.compare_and_swap(mr.remote(8192, 8), 42, 9)).value() == 7);
+    CHECK(*word == 7);
+
+    // Small sends go inline (no registration), larger ones through the cache.
+    auto regs = verbs::stats(cd)->registrations;
+    std::array<std::byte, 32> small{};
+    small[0] = std::byte{9};
+    REQUIRE((co_await p.client.send(small)).has_value());
+    CHECK(verbs::stats(cd)->registrations == regs);
+    auto big = pattern(60000, 3);
+    REQUIRE((co_await p.client.send(big)).has_value());
+    REQUIRE((co_await p.client.send(big)).has_value());
+    CHECK(verbs::stats(cd)->registrations == regs + 1);
+    auto m1 = (co_await p.server.recv()).value();
+    CHECK(m1.size() == 32);
+    CHECK(m1.data()[0] == std::byte{9});
+    for (int i = 0; i < 2; ++i) {
+      auto mb = (co_await p.server.recv()).value();
+      CHECK(std::equal(mb.data().begin(), mb.data().end(), big.begin(), big.end()));
+    }
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+}
+
+TEST_CASE("receive credits: a burst far beyond the posted receives, slow consumer, no RNR") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    connection_options opts;
+    opts.receive_buffers = 4;
+    opts.receive_buffer_size = 1024;
+    opts.send_queue_depth = 64;
+    pair_t p;
+    co_await make_pair(sd, cd, p, opts);
+    constexpr int n = 2000;
+    auto sender = [](connection& c) -> task<bool> {
+      for (int i = 0; i < n; ++i) {
+        std::array<std::byte, 200> b{};
+        std::memcpy(b.data(), &i, sizeof i);
+        if (!(co_await c.send(b))) co_return false;
+      }
+      co_return true;
+    };
+    auto receiver = [](connection& c) -> task<int> {
+      int good = 0;
+      for (int i = 0; i < n; ++i) {
+        auto m = co_await c.recv();
+        if (!m) co_return good;
+        int v;
+        std::memcpy(&v, m->data().data(), sizeof v);
+        if (v == i) ++good;
+        if (i % 100 == 0) (void)co_await sleep_for(1ms);  // slow consumer
+      }
+      co_return good;
+    };
+    auto [ok, good] = co_await when_all(sender(p.client), receiver(p.server));
+    CHECK(ok);
+    CHECK(good == n);
+    CHECK(p.client.is_open());
+    CHECK(p.server.is_open());
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+}
+
+TEST_CASE("64 QPs share one CQ per domain; pipelined operations on all") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    connection_options opts;
+    opts.receive_buffers = 8;
+    opts.receive_buffer_size = 4096;
+    opts.send_queue_depth = 8;
+    auto l = sd.listen(test_endpoint(0), opts).value();
+    auto ep = test_endpoint(l.local_endpoint().port());
+    constexpr int n = 64;
+    std::vector<std::byte> target(n * 4096);
+    auto mr = sd.register_memory(target, access::all).value();
+    std::vector<connection> server_side, client_side;
+    auto serve = [](listener& l, std::vector<connection>& out) -> task<void> {
+      for (int i = 0; i < n; ++i) out.push_back((co_await l.accept()).value());
+    };
+    auto dial = [](domain& d, endpoint ep, connection_options o, std::vector<connection>& out) -> task<void> {
+      for (int i = 0; i < n; ++i) out.push_back((co_await d.connect(ep, o)).value());
+    };
+    co_await when_all(serve(l, server_side), dial(cd, ep, opts, client_side));
+    CHECK(verbs::stats(cd)->live_connections == n);
+    auto work = [](connection& c, remote_buffer rb, int i) -> task<int> {
+      auto data = pattern(4096, i);
+      for (int k = 0; k < 4; ++k)
+        if (!(co_await c.write(data, rb))) co_return 0;
+      std::vector<std::byte> back(4096);
+      if (!(co_await c.read(back, rb))) co_return 0;
+      co_return back == data ? 1 : 0;
+    };
+    std::vector<task<int>> jobs;
+    for (int i = 0; i < n; ++i) jobs.push_back(work(client_side[i], mr.remote(i * 4096, 4096), i));
+    auto ok = co_await when_all(std::move(jobs));
+    int good = 0;
+    for (int v : ok) good += v;
+    CHECK(good == n);
+    for (int i = 0; i < n; ++i) CHECK(std::memcmp(target.data() + i * 4096, pattern(4096, i).data(), 4096) == 0);
+    client_side.clear();
+    server_side.clear();
+    l.close();
+    for (int i = 0; i < 300 && (verbs::stats(cd)->live_connections || verbs::stats(sd)->live_connections); ++i)
+      (void)co_await sleep_for(10ms);
+    CHECK(verbs::stats(cd)->live_connections == 0);
+    CHECK(verbs::stats(sd)->live_connections == 0);
+  }());
+}
+
+TEST_CASE("1000 connect/disconnect cycles without fd or memory growth") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    connection_options opts;
+    opts.receive_buffers = 4;
+    opts.receive_buffer_size = 4096;
+    opts.send_queue_depth = 4;
+    auto l = sd.listen(test_endpoint(0), opts).value();
+    auto ep = test_endpoint(l.local_endpoint().port());
+    int cycles = 1000;
+    if (const char* e = std::getenv("SHUTTLE_VERBS_CYCLES")) cycles = std::atoi(e);
+    int fds0 = 0;
+    long rss0 = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < cycles; ++i) {
+      if (i == 50) {  // after warm-up (allocator, librdmacm caches)
+        fds0 = count_fds();
+        rss0 = rss_kib();
+      }
+      auto [s, c] = co_await when_all(l.accept(), cd.connect(ep, opts));
+      REQUIRE(s.has_value());
+      REQUIRE(c.has_value());
+      std::array<std::byte, 16> b{};
+      REQUIRE((co_await c->send(b)).has_value());
+      REQUIRE((co_await s->recv()).has_value());
+      if (i % 2) {
+        (void)co_await c->close();
+      }
+      // Destroying both: the provider flushes and frees them.
+    }
+    for (int i = 0; i < 300 && (verbs::stats(cd)->live_connections || verbs::stats(sd)->live_connections); ++i)
+      (void)co_await sleep_for(10ms);
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    int fds1 = count_fds();
+    long rss1 = rss_kib();
+    std::printf("%d cycles in %lld ms; fds %d -> %d; rss %ld -> %ld KiB\n", cycles, static_cast<long long>(ms), fds0,
+                fds1, rss0, rss1);
+    CHECK(verbs::stats(cd)->live_connections == 0);
+    CHECK(verbs::stats(sd)->live_connections == 0);
+    CHECK(fds1 <= fds0);
+    CHECK(rss1 - rss0 < 8 * 1024);
+    l.close();
+  }());
+}
+
+TEST_CASE("cancellation: in-flight read resumes only after the flush; waiting op cancelled alone") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    connection_options opts;
+    opts.send_queue_depth = 1;
+    pair_t p;
+    co_await make_pair(sd, cd, p, opts);
+    std::vector<std::byte> target(8 << 20);
+    auto mr = sd.register_memory(target, access::all).value();
+    std::vector<std::byte> local(target.size());
+    // Op 1 occupies the only send-queue slot; op 2 waits for it and is
+    // cancelled alone; then op 1 is cancelled in flight.
+    async_scope s1, s2;
+    std::optional<result<void>> r1, r2;
+    auto reader = [](connection& c, std::span<std::byte> l, remote_buffer rb,
+                     std::optional<result<void>>& out) -> task<void> { out.emplace(co_await c.read(l, rb)); };
+    s1.spawn(reader(p.client, local, mr.remote(), r1));
+    s2.spawn(reader(p.client, local, mr.remote(), r2));
+    s2.request_stop();
+    co_await s2.join();
+    REQUIRE(r2.has_value());
+    CHECK(r2->error() == std::make_error_code(std::errc::operation_canceled));
+    CHECK(p.client.is_open());  // the waiting one was cancelled alone
+    s1.request_stop();
+    co_await s1.join();
+    REQUIRE(r1.has_value());
+    CHECK((r1->has_value() || r1->error() == std::make_error_code(std::errc::operation_canceled)));
+    if (!r1->has_value()) CHECK_FALSE(p.client.is_open());
+  }());
+}
