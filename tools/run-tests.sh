@@ -1,8 +1,9 @@
 #!/bin/bash
 # The test command: installs what is missing, then builds and runs every test
 # in three configurations:
-#   build-ci     g++, all suites (unit, transport, verbs in the Soft-RoCE guest, fuzz)
+#   build-ci     g++, all suites (unit, transport, verbs in the Soft-RoCE guest)
 #   build-asan   g++ with ASan+UBSan, the same suites but fuzz
+#   build-fuzz   clang, the libFuzzer frame-decoder target, 60 s
 #   build-tsan   clang with TSan, the multi-threaded suites
 # Exit status: non-zero if any suite failed. Skips (exit 77) are reported by meson.
 set -euo pipefail
@@ -29,6 +30,12 @@ run_suites build-ci
 configure build-asan --buildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false -Dbench=false
 # The guest suites run once, in build-ci: under ASan they would double CI time.
 run_suites build-asan --no-suite fuzz --no-suite guest
+
+# The frame fuzzer (clang libFuzzer), a bounded 60 s run; only its target is built.
+if [ -d build-fuzz ]; then CC=clang CXX=clang++ meson setup --reconfigure build-fuzz -Dbench=false >/dev/null
+else CC=clang CXX=clang++ meson setup build-fuzz -Dbench=false >/dev/null; fi
+ninja -C build-fuzz tests/transport/fuzz_frame
+run_suites build-fuzz --no-rebuild --suite fuzz
 
 CC=clang CXX=clang++ configure build-tsan --buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dbench=false
 TSAN_OPTIONS=halt_on_error=1 run_suites build-tsan --suite threads
