@@ -615,51 +615,29 @@ class tcp_connection final : public connection_impl {
   task<result<message>> recv() override { return conn_state::recv(s_); }
   task<result<void>> write(std::span<const std::byte> local, remote_buffer remote) override {
     if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
-    header h;
-    h.op = opcode::write;
-    h.addr = remote.address;
-    h.rkey = remote.rkey;
-    h.length = static_cast<std::uint32_t>(local.size());
-    return conn_state::submit_void(s_, h, local);
+    return conn_state::submit_void(s_, one_sided(opcode::write, remote, local.size()), local);
   }
   task<result<void>> write_with_imm(std::span<const std::byte> local, remote_buffer remote,
                                     std::uint32_t imm) override {
     if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
-    header h;
-    h.op = opcode::write_imm;
+    header h = one_sided(opcode::write_imm, remote, local.size());
     h.flags = flag_imm;
     h.imm = imm;
-    h.addr = remote.address;
-    h.rkey = remote.rkey;
-    h.length = static_cast<std::uint32_t>(local.size());
     return conn_state::submit_void(s_, h, local);
   }
   task<result<void>> read(std::span<std::byte> local, remote_buffer remote) override {
     if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
-    header h;
-    h.op = opcode::read_req;
-    h.addr = remote.address;
-    h.rkey = remote.rkey;
-    h.length = static_cast<std::uint32_t>(local.size());
-    return read_impl(s_, h, local);
+    return read_impl(s_, one_sided(opcode::read_req, remote, local.size()), local);
   }
   task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected,
                                                std::uint64_t desired) override {
-    header h;
-    h.op = opcode::cas;
-    h.addr = remote.address;
-    h.rkey = remote.rkey;
-    h.length = 8;
+    header h = one_sided(opcode::cas, remote, 8);
     h.arg0 = expected;
     h.arg1 = desired;
     return conn_state::submit(s_, h, {}, {});
   }
   task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add) override {
-    header h;
-    h.op = opcode::faa;
-    h.addr = remote.address;
-    h.rkey = remote.rkey;
-    h.length = 8;
+    header h = one_sided(opcode::faa, remote, 8);
     h.arg0 = add;
     return conn_state::submit(s_, h, {}, {});
   }
@@ -670,6 +648,15 @@ class tcp_connection final : public connection_impl {
   endpoint remote_endpoint() const noexcept override { return s_->remote; }
 
  private:
+  // The request header of a one-sided operation on `remote`.
+  static header one_sided(opcode op, remote_buffer remote, std::size_t length) noexcept {
+    header h;
+    h.op = op;
+    h.addr = remote.address;
+    h.rkey = remote.rkey;
+    h.length = static_cast<std::uint32_t>(length);
+    return h;
+  }
   template <class T>
   static task<result<T>> fail(errc e) {
     co_return make_error_code(e);

@@ -1,18 +1,13 @@
 #include "wire.hpp"
 
+#include <shuttle/detail/little_endian.hpp>
 #include <shuttle/transport.hpp>
 
 namespace shuttle::tcp_wire {
 
 namespace {
-void put(std::byte* p, std::uint64_t v, int n) noexcept {
-  for (int i = 0; i < n; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
-}
-std::uint64_t get(const std::byte* p, int n) noexcept {
-  std::uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v |= std::uint64_t(std::to_integer<std::uint8_t>(p[i])) << (8 * i);
-  return v;
-}
+constexpr auto put = detail::put_le;
+constexpr auto get = detail::get_le;
 std::error_code proto() noexcept { return make_error_code(errc::protocol_error); }
 }  // namespace
 

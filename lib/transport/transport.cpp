@@ -1,5 +1,6 @@
 // The provider-neutral front: wrappers that forward to the provider, and the
 // choice of provider.
+#include <shuttle/detail/little_endian.hpp>
 #include <shuttle/detail/transport_impl.hpp>
 
 #include <cstdlib>
@@ -25,16 +26,8 @@ result<transport_kind> parse_transport_kind(std::string_view s) {
 
 // ---------------------------------------------------------------- remote_buffer
 
-namespace {
-void put_le(std::byte* p, std::uint64_t v, int n) noexcept {
-  for (int i = 0; i < n; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
-}
-std::uint64_t get_le(const std::byte* p, int n) noexcept {
-  std::uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v |= std::uint64_t(std::to_integer<std::uint8_t>(p[i])) << (8 * i);
-  return v;
-}
-}  // namespace
+using detail::get_le;
+using detail::put_le;
 
 void remote_buffer::serialize(std::span<std::byte, wire_size> out) const noexcept {
   put_le(out.data(), address, 8);

@@ -9,6 +9,8 @@
 #include <shuttle/transport.hpp>
 #include <shuttle/verbs/verbs.hpp>
 
+#include "../transport/common.hpp"
+
 #include <dirent.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -28,11 +30,8 @@ using namespace std::chrono_literals;
 
 namespace {
 
-endpoint test_endpoint(std::uint16_t port) {
-  const char* a = std::getenv("SHUTTLE_TEST_ADDR");
-  std::string host = a && *a ? a : "192.168.77.1";
-  return endpoint::parse(host + ":" + std::to_string(port)).value();
-}
+using transport_test::test_endpoint;  // SHUTTLE_TEST_ADDR: the guest's rxe address
+using transport_test::pattern;
 
 domain open_verbs() {
   domain_options o;
@@ -43,16 +42,6 @@ domain open_verbs() {
     std::exit(77);
   }
   return std::move(*d);
-}
-
-std::vector<std::byte> pattern(std::size_t n, unsigned seed) {
-  std::vector<std::byte> v(n);
-  std::uint32_t x = seed * 2654435761u + 1;
-  for (auto& b : v) {
-    x = x * 1103515245u + 12345u;
-    b = static_cast<std::byte>(x >> 16);
-  }
-  return v;
 }
 
 int count_fds() {
