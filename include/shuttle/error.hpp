@@ -22,6 +22,13 @@ const std::error_category& shuttle_category() noexcept;
 
 inline std::error_code make_error_code(errc e) noexcept { return {static_cast<int>(e), shuttle_category()}; }
 
+// `ec == errc::x` compares codes strictly (same category and value). A
+// provider may report its own code that means the same (a verbs work
+// completion status REM_ACCESS_ERR is a remote_access_error): compare with
+// the condition, or use matches().
+inline std::error_condition make_error_condition(errc e) noexcept { return {static_cast<int>(e), shuttle_category()}; }
+inline bool matches(const std::error_code& ec, errc e) noexcept { return ec == make_error_condition(e); }
+
 }  // namespace shuttle
 
 template <>

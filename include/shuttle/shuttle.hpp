@@ -4,6 +4,7 @@
 #include <shuttle/channel.hpp>
 #include <shuttle/error.hpp>
 #include <shuttle/io_context.hpp>
+#include <shuttle/receive_stream.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/runtime.hpp>
 #include <shuttle/scope.hpp>

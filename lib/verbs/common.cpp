@@ -26,11 +26,11 @@ class category_impl final : public std::error_category {
   }
   std::error_condition default_error_condition(int c) const noexcept override {
     switch (c) {
-      case 10: return condition(errc::remote_access_error);     // IBV_WC_REM_ACCESS_ERR
-      case 11: return condition(errc::remote_operation_error);  // IBV_WC_REM_OP_ERR
+      case 10: return make_error_condition(errc::remote_access_error);     // IBV_WC_REM_ACCESS_ERR
+      case 11: return make_error_condition(errc::remote_operation_error);  // IBV_WC_REM_OP_ERR
       case 5:                                                   // IBV_WC_WR_FLUSH_ERR
       case 12:                                                  // IBV_WC_RETRY_EXC_ERR
-      case 13: return condition(errc::disconnected);            // IBV_WC_RNR_RETRY_EXC_ERR
+      case 13: return make_error_condition(errc::disconnected);            // IBV_WC_RNR_RETRY_EXC_ERR
       default: return {c, *this};
     }
   }
@@ -46,8 +46,6 @@ const std::error_category& category() noexcept {
   return c;
 }
 std::error_code make_wc_error(int status) noexcept { return {status, category()}; }
-std::error_condition condition(shuttle::errc e) noexcept { return {static_cast<int>(e), shuttle_category()}; }
-bool matches(const std::error_code& ec, shuttle::errc e) noexcept { return ec == condition(e); }
 
 #ifdef SHUTTLE_HAVE_VERBS
 namespace {

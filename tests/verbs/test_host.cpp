@@ -24,12 +24,12 @@ TEST_CASE("verbs error category: messages and neutral equivalence") {
   auto ec = verbs::make_wc_error(10);  // IBV_WC_REM_ACCESS_ERR
   CHECK(std::string(ec.category().name()) == "verbs");
   CHECK(ec.message() == "remote access error");
-  CHECK(verbs::matches(ec, errc::remote_access_error));
-  CHECK(ec == verbs::condition(errc::remote_access_error));
-  CHECK(verbs::matches(verbs::make_wc_error(5), errc::disconnected));    // WR_FLUSH_ERR
-  CHECK(verbs::matches(verbs::make_wc_error(12), errc::disconnected));   // RETRY_EXC_ERR
-  CHECK_FALSE(verbs::matches(verbs::make_wc_error(4), errc::remote_access_error));  // LOC_PROT_ERR
-  CHECK(verbs::matches(make_error_code(errc::disconnected), errc::disconnected));
+  CHECK(shuttle::matches(ec, errc::remote_access_error));
+  CHECK(ec == make_error_condition(errc::remote_access_error));
+  CHECK(shuttle::matches(verbs::make_wc_error(5), errc::disconnected));    // WR_FLUSH_ERR
+  CHECK(shuttle::matches(verbs::make_wc_error(12), errc::disconnected));   // RETRY_EXC_ERR
+  CHECK_FALSE(shuttle::matches(verbs::make_wc_error(4), errc::remote_access_error));  // LOC_PROT_ERR
+  CHECK(shuttle::matches(make_error_code(errc::disconnected), errc::disconnected));
   CHECK(verbs::make_wc_error(4).message() == "local protection error");
 }
 

@@ -32,6 +32,12 @@ struct wait_node : remote_op {
   std::atomic<int> refs{0};
   bool cancelled = false;
 
+  wait_node() noexcept = default;
+  // Awaiters are moved only before they are awaited (as_task, returning
+  // them from functions): a node that is not parked carries no state.
+  wait_node(wait_node&&) noexcept {}
+  wait_node& operator=(wait_node&&) = delete;
+
   void release() noexcept {
     if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) ctx->post(waiter);
   }

@@ -58,11 +58,7 @@ std::string describe_devices();
 const std::error_category& category() noexcept;
 std::error_code make_wc_error(int ibv_wc_status) noexcept;
 
-// true when `ec` is `e` or a verbs code equivalent to it. (shuttle::errc is an
-// error *code* enum, so `ec == errc::x` compares strictly; use this, or compare
-// with shuttle::verbs::condition(e).)
-std::error_condition condition(shuttle::errc e) noexcept;
-bool matches(const std::error_code& ec, shuttle::errc e) noexcept;
+// Compare verbs codes with shuttle::matches(ec, errc) (see shuttle/error.hpp).
 
 // CQ policy of a verbs domain: after its last completion, the domain's CQ
 // poller keeps the loop busy-polling for `budget` while operations are in

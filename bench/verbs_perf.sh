@@ -1,0 +1,106 @@
+#!/bin/bash
+# shuttle-perf (verbs provider) vs perftest (ib_write_bw, ib_read_bw, ib_send_bw,
+# ib_write_lat, ib_send_lat, ib_read_lat) on Soft-RoCE, inside ONE QEMU guest
+# (tests/softrdma/guest-run.sh, MTU 9000 -> RoCE MTU 4096), server and client
+# of each pair in the same guest. Points: bw at 4 KiB and 64 KiB, lat at 2 B and
+# 64 B, and a small-write message rate (64 B writes, 128 in flight). The order
+# alternates per point. Soft-RoCE under TCG is slow and noisy: only the ratios
+# of one run mean anything. Targets: bw ratio >= 1.0, lat ratio <= 1.05
+# (t_typical), msg-rate ratio >= 1.0.
+#
+# Usage: bench/verbs_perf.sh [BUILD_DIR]
+# (needs the perftest package and tests/softrdma/install-deps.sh's packages)
+set -euo pipefail
+if [ "${1:-}" = --in-guest ]; then
+  perf=$2
+  O="--transport verbs --device rxe0 --gid-index 1"
+  P="-d rxe0 -x 1 -F"
+  addr=192.168.77.1
+  work=$(mktemp -d)
+  port=19000
+  spid=
+  trap '[ -n "$spid" ] && kill $spid 2>/dev/null; true' EXIT
+
+  wait_for() {  # file pattern
+    for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
+    echo "verbs_perf: server did not start:"; cat "$1"; return 1
+  }
+  wait_listen() {  # port
+    for _ in $(seq 100); do kill -0 $spid 2>/dev/null || break; ss -Hltn "sport = :$1" 2>/dev/null | grep -q LISTEN && return 0; sleep 0.1; done
+    echo "verbs_perf: perftest server did not listen on $1"; return 1
+  }
+  finish() {  # wait for the server, at most 30 s
+    for _ in $(seq 300); do kill -0 $spid 2>/dev/null || break; sleep 0.1; done
+    kill $spid 2>/dev/null || true; wait $spid 2>/dev/null || true; spid=
+  }
+  # shuttle TEST SIZE ITERS DEPTH -> metric (bw: MB/s average, msgrate: Mpps, lat: t_typical us)
+  shuttle() {
+    port=$((port + 1))
+    $perf $O --bind $addr --port $port >$work/s.log 2>&1 &
+    spid=$!
+    wait_for $work/s.log listening >&2 || { finish; echo nan; return; }
+    local sz=(--size $2); [ "$1" = atomic ] && sz=()
+    timeout 120 $perf $addr $O --port $port --test $1 "${sz[@]}" --iters $3 --depth $4 --json >$work/c.log 2>&1 ||
+      { echo "shuttle-perf $1 failed:" >&2; cat $work/c.log $work/s.log >&2; finish; echo nan; return; }
+    finish
+    grep '^{' $work/c.log | python3 -c 'import json,sys; d=json.loads(sys.stdin.readline()); m=sys.argv[1]
+print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.get("t_typical_us"))))' "$5"
+  }
+  # perftest METRIC BINARY SIZE ITERS [EXTRA...]
+  perftest() {
+    local m=$1; shift
+    local bin=$1 size=$2 n=$3; shift 3
+    port=$((port + 1))
+    $bin $P -p $port -s $size -n $n "$@" >$work/ps.log 2>&1 &
+    spid=$!
+    wait_listen $port >&2 || { cat $work/ps.log >&2; finish; echo nan; return; }
+    timeout 120 $bin $P -p $port -s $size -n $n "$@" $addr >$work/pc.log 2>&1 ||
+      { echo "$bin failed:" >&2; cat $work/pc.log $work/ps.log >&2; finish; echo nan; return; }
+    finish
+    # bw row: bytes iters peak avg mpps; lat row: bytes iters min max typical avg stdev p99 p99.9
+    awk -v s=$size -v m=$m '$1 == s && NF >= 5 { v = m == "mpps" ? $5 : m == "lat" ? $5 : $4 } END { print v == "" ? "nan" : v }' \
+      $work/pc.log
+  }
+
+  printf "%-9s %-7s %-6s %12s %12s %8s %8s %s\n" test bytes metric shuttle perftest ratio target verdict
+  flip=0
+  row() {  # name size metric "shuttle-args" "perftest-args" target op
+    local name=$1 size=$2 metric=$3 sargs=$4 pargs=$5 target=$6 op=$7 s p
+    if [ $flip = 0 ]; then s=$(shuttle $sargs $metric); p=$(perftest $metric $pargs)
+    else p=$(perftest $metric $pargs); s=$(shuttle $sargs $metric); fi
+    flip=$((1 - flip))
+    local r v
+    r=$(python3 -c "import math; s,p=float('$s'),float('$p'); print('nan' if math.isnan(s) or math.isnan(p) or p==0 else '%.3f' % (s/p))")
+    v=$(python3 -c "r=float('$r'); print('ok' if r == r and r $op $target else 'MISS')")
+    printf "%-9s %-7s %-6s %12s %12s %8s %8s %s\n" $name $size $metric "$s" "$p" "$r" "$op$target" $v
+  }
+  for size in 4096 65536; do
+    n=$([ $size = 4096 ] && echo 5000 || echo 1000)
+    row write_bw $size MB/s "write_bw $size $n 128" "ib_write_bw $size $n" 1.0 ">=" 
+    row read_bw $size MB/s "read_bw $size $n 128" "ib_read_bw $size $n" 1.0 ">="
+    row send_bw $size MB/s "send_bw $size $n 128" "ib_send_bw $size $n" 1.0 ">="
+  done
+  for size in 2 64; do
+    for t in write send read; do
+      row ${t}_lat $size usec "${t}_lat $size 1000 1" "ib_${t}_lat $size 1000" 1.05 "<="
+    done
+  done
+  row msgrate 64 Mpps "write_bw 64 20000 128" "ib_write_bw 64 20000" 1.0 ">="
+  exit 0
+fi
+
+build=${1:-build-bench}
+cd "$(dirname "$0")/.."
+if [ ! -d "$build" ]; then meson setup "$build" --buildtype=release >/dev/null; fi
+ninja -C "$build" examples/shuttle-perf >/dev/null
+for b in ib_write_bw ib_read_bw ib_send_bw ib_write_lat ib_send_lat ib_read_lat; do
+  command -v $b >/dev/null || { echo "verbs_perf.sh: $b not found (apt-get install perftest)" >&2; exit 1; }
+done
+perf=$(readlink -f "$build/examples/shuttle-perf")
+echo "# verbs_perf: shuttle-perf (verbs provider) vs perftest $(dpkg-query -W -f='${Version}' perftest 2>/dev/null)," \
+  "Soft-RoCE rxe0 in a TCG guest (2 vCPUs, RoCE MTU 4096); bw MB/s (2^20) average, lat t_typical usec"
+set +e
+bash tests/softrdma/guest-run.sh -M 9000 -t 1500 -- bash "$(readlink -f "$0")" --in-guest "$perf"
+rc=$?
+[ $rc = 77 ] && echo "verbs_perf.sh: no Soft-RoCE guest available (skipped)" >&2
+exit $rc

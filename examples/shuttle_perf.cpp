@@ -1,0 +1,684 @@
+// shuttle-perf: perftest-style RDMA micro-benchmarks over the transport API,
+// on either provider (tcp or verbs).
+//
+//   server: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]
+//   client: shuttle-perf HOST [--transport ...] [--port P]
+//             --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic
+//             [--size S | --sweep] [--iters N] [--depth D] [--warmup N] [--json]
+//
+// The client tells the server what it will run (a hello: test, largest size,
+// depth, the client's own remote_buffer); the server registers a buffer and
+// sends its remote_buffer back over a send. Each measured point is framed by
+// a POINT/READY and END/RESULT exchange of small sends: the server prepares
+// (fills or clears its buffer), plays its part (receives for send_bw, pongs
+// for the latency ping-pongs) and verifies what landed in its memory (write_bw:
+// every slot holds the pattern; atomic: the counter holds the number of adds).
+//
+// Bandwidth tests keep D operations in flight with D worker coroutines that
+// each issue the next operation as soon as their previous one completes.
+// write_lat is a ping-pong of RDMA writes where each side polls its own
+// registered memory for the peer's new value (the last byte, as perftest);
+// send_lat a ping-pong of sends; both report half the round trip. read_lat
+// times serial reads. atomic is a fetch_and_add rate test (8 B, D in flight).
+//
+// Output: perftest's table (MB = 2^20 bytes, as perftest), and with --json one
+// JSON object per row on its own line. Errors: a message on stderr, exit 1.
+#include <shuttle/shuttle.hpp>
+#include <shuttle/transport.hpp>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using namespace shuttle;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+
+template <class T>
+T check(result<T> r, const char* what) {
+  if (!r) fail(std::string(what) + ": " + r.error().message());
+  if constexpr (!std::is_void_v<T>) return std::move(*r);
+}
+
+enum class test_id : std::uint32_t { write_bw = 1, read_bw, send_bw, write_lat, send_lat, read_lat, atomic };
+
+struct test_info {
+  test_id id;
+  const char* name;
+  bool latency;
+};
+constexpr std::array<test_info, 7> tests{{{test_id::write_bw, "write_bw", false},
+                                          {test_id::read_bw, "read_bw", false},
+                                          {test_id::send_bw, "send_bw", false},
+                                          {test_id::write_lat, "write_lat", true},
+                                          {test_id::send_lat, "send_lat", true},
+                                          {test_id::read_lat, "read_lat", true},
+                                          {test_id::atomic, "atomic", false}}};
+
+const test_info* find_test(std::string_view name) {
+  for (auto& t : tests)
+    if (name == t.name) return &t;
+  return nullptr;
+}
+
+// ---------------------------------------------------------------- wire
+
+constexpr std::uint32_t magic = 0x46504853;  // "SHPF"
+enum class cmd : std::uint32_t { hello = 1, region, point, ready, end, outcome, ack };
+
+// Control messages: fixed-size, host byte order (both ends are this program).
+struct ctrl {
+  std::uint32_t tag = magic;
+  cmd op{};
+  test_id test{};
+  std::uint32_t status = 0;  // outcome: 0 ok, else the verification failed
+  std::uint64_t size = 0;
+  std::uint64_t iters = 0;
+  std::uint64_t warmup = 0;
+  std::uint64_t depth = 0;
+  std::uint64_t region = 0;  // hello: bytes the server must register
+  std::array<std::byte, remote_buffer::wire_size> rb{};
+  std::uint32_t imm_pingpong = 0;  // point, write_lat: write_with_imm ping-pong instead of polling memory
+};
+
+task<void> send_ctrl(connection& c, const ctrl& m) {
+  check(co_await c.send(std::as_bytes(std::span(&m, 1))), "send (control)");
+}
+
+task<ctrl> recv_ctrl(connection& c, cmd expect) {
+  auto msg = check(co_await c.recv(), "recv (control)");
+  ctrl m{};
+  if (msg.size() != sizeof m) fail("protocol error: control message of " + std::to_string(msg.size()) + " bytes");
+  std::memcpy(&m, msg.data().data(), sizeof m);
+  if (m.tag != magic) fail("protocol error: bad magic (not a shuttle-perf peer?)");
+  if (m.op != expect)
+    fail("protocol error: expected control message " + std::to_string(unsigned(expect)) + ", got " +
+         std::to_string(unsigned(m.op)));
+  co_return m;
+}
+
+// ---------------------------------------------------------------- memory
+
+struct buffer {
+  std::byte* p = nullptr;
+  std::size_t n = 0;
+  explicit buffer(std::size_t bytes) : n(std::max<std::size_t>(bytes, 4096)) {
+    n = (n + 4095) & ~std::size_t(4095);
+    p = static_cast<std::byte*>(std::aligned_alloc(4096, n));
+    if (!p) fail("out of memory (" + std::to_string(n) + " bytes)");
+    std::memset(p, 0, n);
+  }
+  ~buffer() { std::free(p); }
+  buffer(const buffer&) = delete;
+  buffer& operator=(const buffer&) = delete;
+  std::span<std::byte> span() const { return {p, n}; }
+};
+
+constexpr std::uint64_t region_cap = 64ull << 20;  // slots wrap beyond this
+
+std::uint64_t slots_for(std::uint64_t region, std::uint64_t size, std::uint64_t depth) {
+  return std::max<std::uint64_t>(1, std::min<std::uint64_t>(depth, region / size));
+}
+
+inline std::byte pattern_byte(std::size_t k, std::size_t size) {
+  return static_cast<std::byte>((k * 131 + size * 7 + 1) & 0xff);
+}
+void fill_pattern(std::byte* p, std::size_t size) {
+  for (std::size_t k = 0; k < size; ++k) p[k] = pattern_byte(k, size);
+}
+bool has_pattern(const std::byte* p, std::size_t size) {
+  for (std::size_t k = 0; k < size; ++k)
+    if (p[k] != pattern_byte(k, size)) return false;
+  return true;
+}
+
+// Waits until the byte at `p` reads `v`. The tcp provider places data from
+// our own loop, so every miss yields to it; on verbs the NIC places it, so we
+// spin on memory (as perftest) and yield only now and then.
+bool spin_on_memory = false;
+task<void> poll_byte(const std::byte* p, std::byte v) {
+  auto* b = reinterpret_cast<const unsigned char*>(p);
+  const auto want = static_cast<unsigned char>(v);
+  for (;;) {
+    if (spin_on_memory) {
+      for (int i = 0; i < (1 << 14); ++i) {
+        if (__atomic_load_n(b, __ATOMIC_ACQUIRE) == want) co_return;
+        __builtin_ia32_pause();
+      }
+    } else if (__atomic_load_n(b, __ATOMIC_ACQUIRE) == want) {
+      co_return;
+    }
+    co_await yield();
+  }
+}
+inline std::byte lat_marker(std::uint64_t i) { return static_cast<std::byte>(i % 255 + 1); }
+
+// ---------------------------------------------------------------- options
+
+struct options {
+  std::optional<std::string> host;
+  transport_kind kind = transport_kind::automatic;
+  std::uint16_t port = 18515;
+  std::string bind = "0.0.0.0";
+  std::string device;
+  int gid_index = -1;
+  const test_info* test = &tests[0];
+  std::uint64_t size = 0;  // 0: the test's default
+  bool sweep = false;
+  std::uint64_t iters = 0;  // 0: 5000 (bw) / 1000 (lat)
+  std::optional<std::uint64_t> warmup;
+  std::uint64_t depth = 0;  // 0: 128 (bw) / 1 (lat)
+  bool json = false;
+  bool loop = false;
+  std::uint32_t rx_depth = 512;
+  std::uint64_t spin_us = 5000;
+  std::string lat_method = "auto";  // write_lat: poll | imm | auto (poll on verbs, imm on tcp)
+};
+
+void usage(FILE* f) {
+  std::fputs(
+      "usage: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]        (server)\n"
+      "       shuttle-perf HOST [--transport tcp|verbs] [--port P]\n"
+      "                    --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic\n"
+      "                    [--size S | --sweep] [--iters N] [--depth D] [--warmup N] [--json]  (client)\n"
+      "common: --device NAME (verbs, e.g. rxe0)  --gid-index N (verbs)  --rx-depth N (posted receives, 512)\n"
+      "        --spin-us N (busy-poll the completion queue this long after the last completion, 5000)\n"
+      "        --write-lat-method poll|imm|auto (write_lat: poll memory, or write_with_imm ping-pong;\n"
+      "                                          auto: poll on verbs, imm on tcp)\n"
+      "sizes take K/M suffixes (4K = 4096). Defaults: bw 64K x5000 depth 128, lat 2 B x1000, atomic 8 B.\n",
+      f);
+}
+
+std::uint64_t parse_size(const std::string& s, const char* opt) {
+  char* end = nullptr;
+  errno = 0;
+  unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  if (errno || end == s.c_str()) fail(std::string("bad value for ") + opt + ": '" + s + "'");
+  std::string suf(end);
+  if (suf == "K" || suf == "k" || suf == "KiB") v <<= 10;
+  else if (suf == "M" || suf == "m" || suf == "MiB") v <<= 20;
+  else if (suf == "G" || suf == "g" || suf == "GiB") v <<= 30;
+  else if (!suf.empty()) fail(std::string("bad value for ") + opt + ": '" + s + "'");
+  return v;
+}
+
+options parse_args(int argc, char** argv) {
+  options o;
+  std::vector<std::string> a(argv + 1, argv + argc);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const std::string& k = a[i];
+    auto val = [&]() -> std::string {
+      if (i + 1 >= a.size()) fail("option " + k + " needs a value");
+      return a[++i];
+    };
+    if (k == "-h" || k == "--help") {
+      usage(stdout);
+      std::exit(0);
+    } else if (k == "--transport") {
+      auto r = parse_transport_kind(val());
+      if (!r) fail("bad --transport (tcp, verbs or auto)");
+      o.kind = *r;
+    } else if (k == "--port" || k == "-p") {
+      auto v = parse_size(val(), "--port");
+      if (v > 65535) fail("bad --port");
+      o.port = static_cast<std::uint16_t>(v);
+    } else if (k == "--bind") {
+      o.bind = val();
+    } else if (k == "--device" || k == "-d") {
+      o.device = val();
+    } else if (k == "--gid-index" || k == "-x") {
+      o.gid_index = static_cast<int>(parse_size(val(), "--gid-index"));
+    } else if (k == "--test" || k == "-t") {
+      auto v = val();
+      o.test = find_test(v);
+      if (!o.test) fail("unknown test '" + v + "'");
+    } else if (k == "--size" || k == "-s") {
+      o.size = parse_size(val(), "--size");
+      if (o.size == 0) fail("--size must be > 0");
+    } else if (k == "--sweep" || k == "-a") {
+      o.sweep = true;
+    } else if (k == "--iters" || k == "-n") {
+      o.iters = parse_size(val(), "--iters");
+      if (o.iters == 0) fail("--iters must be > 0");
+    } else if (k == "--warmup") {
+      o.warmup = parse_size(val(), "--warmup");
+    } else if (k == "--depth" || k == "-D") {
+      o.depth = parse_size(val(), "--depth");
+      if (o.depth == 0 || o.depth > 65536) fail("--depth must be in 1..65536");
+    } else if (k == "--rx-depth") {
+      o.rx_depth = static_cast<std::uint32_t>(parse_size(val(), "--rx-depth"));
+      if (o.rx_depth == 0 || o.rx_depth > 65536) fail("--rx-depth must be in 1..65536");
+    } else if (k == "--spin-us") {
+      o.spin_us = parse_size(val(), "--spin-us");
+    } else if (k == "--write-lat-method") {
+      o.lat_method = val();
+      if (o.lat_method != "poll" && o.lat_method != "imm" && o.lat_method != "auto")
+        fail("--write-lat-method: poll, imm or auto");
+    } else if (k == "--json") {
+      o.json = true;
+    } else if (k == "--loop") {
+      o.loop = true;
+    } else if (!k.empty() && k[0] == '-') {
+      fail("unknown option " + k + " (--help lists them)");
+    } else if (!o.host) {
+      o.host = k;
+    } else {
+      fail("unexpected argument '" + k + "'");
+    }
+  }
+  if (o.sweep && o.size) fail("--size and --sweep exclude each other");
+  if (o.test->id == test_id::atomic && o.size && o.size != 8) fail("atomic: the size is 8 bytes (leave --size out)");
+  return o;
+}
+
+domain open_domain(const options& o) {
+  domain_options d;
+  d.kind = o.kind;
+  d.device = o.device;
+  d.gid_index = o.gid_index;
+  auto dom = check(domain::open(d), "opening the transport domain");
+  spin_on_memory = dom.kind() == transport_kind::verbs;
+  return dom;
+}
+
+connection_options conn_opts(const options& o, std::uint64_t depth) {
+  connection_options c;
+  c.send_queue_depth = static_cast<std::uint32_t>(std::max<std::uint64_t>(depth, 128) + 8);
+  c.receive_buffers = o.rx_depth;
+  return c;
+}
+
+double us(clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+// ---------------------------------------------------------------- server
+
+task<void> serve_one(connection c, domain& d) {
+  ctrl h = co_await recv_ctrl(c, cmd::hello);
+  if (h.region == 0 || h.region > (1ull << 30)) fail("protocol error: bad region size");
+  buffer mem(h.region);
+  auto mr = check(d.register_memory(mem.span(), access::all), "register_memory");
+  remote_buffer peer = remote_buffer::deserialize(h.rb);
+  ctrl r{};
+  r.op = cmd::region;
+  mr.remote().serialize(r.rb);
+  co_await send_ctrl(c, r);
+  std::vector<std::byte> src;  // write_lat: what we write back
+
+  for (;;) {
+    auto m = co_await c.recv();
+    if (!m) co_return;  // the client went: done
+    ctrl p{};
+    if (m->size() != sizeof p) fail("protocol error: control message expected");
+    std::memcpy(&p, m->data().data(), sizeof p);
+    m->reset();
+    if (p.tag != magic || p.op != cmd::point) fail("protocol error: POINT expected");
+    const std::uint64_t size = p.size, total = p.iters + p.warmup;
+    if (size == 0 || size > mem.n) fail("protocol error: bad size");
+    const std::uint64_t slots = slots_for(mem.n, size, p.depth);
+    // Prepare.
+    switch (p.test) {
+      case test_id::read_bw:
+      case test_id::read_lat:
+        for (std::uint64_t i = 0; i < slots; ++i) fill_pattern(mem.p + i * size, size);
+        break;
+      case test_id::write_bw: std::memset(mem.p, 0, slots * size); break;
+      case test_id::atomic: std::memset(mem.p, 0, 8); break;
+      case test_id::write_lat: std::memset(mem.p, 0, size); break;
+      default: break;
+    }
+    ctrl ready{};
+    ready.op = cmd::ready;
+    co_await send_ctrl(c, ready);
+    // Play our part.
+    if (p.test == test_id::send_bw) {
+      for (std::uint64_t i = 0; i < total; ++i) {
+        auto msg = check(co_await c.recv(), "recv (send_bw)");
+        if (msg.size() != size) fail("send_bw: got a message of " + std::to_string(msg.size()) + " bytes");
+        if (i + 1 == total && !has_pattern(msg.data().data(), size)) fail("send_bw: data corrupted");
+      }
+      ctrl ack{};
+      ack.op = cmd::ack;
+      co_await send_ctrl(c, ack);
+    } else if (p.test == test_id::send_lat) {
+      std::vector<std::byte> pong(size);
+      for (std::uint64_t i = 0; i < total; ++i) {
+        auto msg = check(co_await c.recv(), "recv (send_lat)");
+        if (msg.size() != size) fail("send_lat: got a message of " + std::to_string(msg.size()) + " bytes");
+        msg.reset();
+        check(co_await c.send(pong), "send (send_lat)");
+      }
+    } else if (p.test == test_id::write_lat) {
+      if (size > peer.length) fail("protocol error: client's buffer too small");
+      src.assign(size, std::byte{0});
+      const std::byte* flag = mem.p + size - 1;
+      for (std::uint64_t i = 0; i < total; ++i) {
+        if (p.imm_pingpong) {
+          auto msg = check(co_await c.recv(), "recv (write_lat)");
+          if (msg.imm() != std::uint32_t(i) || *flag != lat_marker(i)) fail("write_lat: unexpected immediate/data");
+          msg.reset();
+        } else {
+          co_await poll_byte(flag, lat_marker(i));
+        }
+        src[size - 1] = lat_marker(i);
+        if (p.imm_pingpong)
+          check(co_await c.write_with_imm(src, peer, std::uint32_t(i)), "write_with_imm (write_lat)");
+        else
+          check(co_await c.write(src, peer), "write (write_lat)");
+      }
+    }
+    // Verify.
+    (void)co_await recv_ctrl(c, cmd::end);
+    ctrl out{};
+    out.op = cmd::outcome;
+    if (p.test == test_id::write_bw) {
+      for (std::uint64_t i = 0; i < std::min(slots, total); ++i)
+        if (!has_pattern(mem.p + i * size, size)) out.status = 1;
+    } else if (p.test == test_id::atomic) {
+      std::uint64_t v;
+      std::memcpy(&v, mem.p, 8);
+      if (v != total) out.status = 1;
+    }
+    co_await send_ctrl(c, out);
+  }
+}
+
+task<int> server_main(const options& o) {
+  domain d = open_domain(o);
+  auto ep = check(endpoint::parse(o.bind.find(':') != std::string::npos && o.bind.front() != '['
+                                      ? "[" + o.bind + "]:" + std::to_string(o.port)
+                                      : o.bind + ":" + std::to_string(o.port)),
+                  "bad --bind address");
+  // The server's send queue carries pongs and write_lat writes only; its
+  // receive pool takes send_bw's messages.
+  auto l = check(d.listen(ep, conn_opts(o, 128)), "listen");
+  std::printf("shuttle-perf: %s, listening on %s\n", d.describe().c_str(), l.local_endpoint().to_string().c_str());
+  std::fflush(stdout);
+  do {
+    auto c = check(co_await l.accept(), "accept");
+    try {
+      co_await serve_one(std::move(c), d);
+    } catch (const std::exception& e) {
+      if (!o.loop) throw;
+      std::fprintf(stderr, "shuttle-perf: session failed: %s\n", e.what());
+    }
+  } while (o.loop);
+  l.close();
+  co_return 0;
+}
+
+// ---------------------------------------------------------------- client
+
+struct bw_row {
+  std::uint64_t size, iters;
+  double peak, avg, mpps;
+};
+struct lat_row {
+  std::uint64_t size, iters;
+  double tmin, typical, avg, p99;
+};
+
+struct client_state {
+  connection c;
+  const options& o;
+  remote_buffer server;
+  std::unique_ptr<buffer> local;  // sources / destinations of one-sided ops
+  std::unique_ptr<buffer> pong;   // write_lat: the server writes here
+  memory_region local_mr, pong_mr;
+};
+
+// D workers, each issues its next operation when the previous completes; the
+// completion times go to `done` (in completion order).
+task<void> bw_worker(client_state& s, test_id t, std::uint64_t size, std::uint64_t slot, std::uint64_t& next,
+                     std::uint64_t total, std::vector<clock::time_point>& done) {
+  std::span<std::byte> local(s.local->p + slot * size, size);
+  remote_buffer rb = check(s.server.slice(slot * size, size), "remote slice");
+  if (t == test_id::atomic) rb = check(s.server.slice(0, 8), "remote slice");
+  while (next < total) {
+    ++next;
+    switch (t) {
+      case test_id::write_bw: check(co_await s.c.write(local, rb), "write"); break;
+      case test_id::read_bw: check(co_await s.c.read(local, rb), "read"); break;
+      case test_id::send_bw: check(co_await s.c.send(local), "send"); break;
+      case test_id::atomic: (void)check(co_await s.c.fetch_and_add(rb, 1), "fetch_and_add"); break;
+      default: fail("not a bandwidth test");
+    }
+    done.push_back(clock::now());
+  }
+}
+
+task<bw_row> run_bw(client_state& s, test_id t, std::uint64_t size, std::uint64_t iters, std::uint64_t warmup,
+                    std::uint64_t depth) {
+  const std::uint64_t slots = slots_for(s.local->n, size, depth);
+  if (t == test_id::write_bw || t == test_id::send_bw)
+    for (std::uint64_t i = 0; i < slots; ++i) fill_pattern(s.local->p + i * size, size);
+  else
+    std::memset(s.local->p, 0, slots * size);
+  auto phase = [&](std::uint64_t n, std::vector<clock::time_point>& done) -> task<void> {
+    std::uint64_t next = 0;
+    std::vector<task<void>> workers;
+    for (std::uint64_t w = 0; w < std::min(depth, n); ++w)
+      workers.push_back(bw_worker(s, t, size, w % slots, next, n, done));
+    co_await when_all(std::move(workers));
+  };
+  std::vector<clock::time_point> done;
+  done.reserve(std::max(iters, warmup));
+  if (warmup) co_await phase(warmup, done);
+  done.clear();
+  auto t0 = clock::now();
+  co_await phase(iters, done);
+  if (t == test_id::send_bw) (void)co_await recv_ctrl(s.c, cmd::ack);  // the server got them all
+  auto t1 = clock::now();
+  double secs = std::chrono::duration<double>(t1 - t0).count();
+  const double mb = 1048576.0;
+  bw_row r{size, iters, 0, double(size) * iters / secs / mb, iters / secs / 1e6};
+  // Peak: the best rate over windows of max(depth, iters/16) completions.
+  std::uint64_t k = std::max<std::uint64_t>(std::min(4 * depth, iters), iters / 8);
+  r.peak = r.avg;
+  if (k < iters) {
+    for (std::uint64_t j = 0; j + k <= done.size(); ++j) {
+      auto from = j == 0 ? t0 : done[j - 1];
+      double w = std::chrono::duration<double>(done[j + k - 1] - from).count();
+      if (w > 0) r.peak = std::max(r.peak, double(size) * k / w / mb);
+    }
+  }
+  if (t == test_id::read_bw)
+    for (std::uint64_t i = 0; i < std::min(slots, iters); ++i)
+      if (!has_pattern(s.local->p + i * size, size)) fail("read_bw: data read back does not match");
+  co_return r;
+}
+
+lat_row lat_stats(std::vector<double> v, std::uint64_t size) {
+  std::sort(v.begin(), v.end());
+  double sum = 0;
+  for (double x : v) sum += x;
+  lat_row r{size, v.size(), v.front(), v[v.size() / 2], sum / v.size(),
+            v[std::min(v.size() - 1, static_cast<std::size_t>(v.size() * 0.99))]};
+  return r;
+}
+
+task<lat_row> run_lat(client_state& s, test_id t, std::uint64_t size, std::uint64_t iters, std::uint64_t warmup,
+                      bool imm) {
+  const std::uint64_t total = iters + warmup;
+  std::vector<clock::time_point> ts;
+  ts.reserve(total + 1);
+  remote_buffer rb = check(s.server.slice(0, size), "remote slice");
+  std::span<std::byte> local(s.local->p, size);
+  std::memset(local.data(), 0, size);
+  if (t == test_id::write_lat) {
+    const std::byte* flag = s.pong->p + size - 1;
+    for (std::uint64_t i = 0; i < total && imm; ++i) {
+      ts.push_back(clock::now());
+      local[size - 1] = lat_marker(i);
+      auto [wr, rr] = co_await when_all(s.c.write_with_imm(local, rb, std::uint32_t(i)), s.c.recv());
+      check(std::move(wr), "write_with_imm (write_lat)");
+      auto m = check(std::move(rr), "recv (write_lat)");
+      if (m.imm() != std::uint32_t(i) || *flag != lat_marker(i)) fail("write_lat: unexpected immediate/data");
+    }
+    for (std::uint64_t i = 0; i < total && !imm; ++i) {
+      ts.push_back(clock::now());
+      local[size - 1] = lat_marker(i);
+      co_await when_all(
+          [&]() -> task<void> { check(co_await s.c.write(local, rb), "write (write_lat)"); }(),
+          poll_byte(flag, lat_marker(i)));
+    }
+  } else if (t == test_id::send_lat) {
+    for (std::uint64_t i = 0; i < total; ++i) {
+      ts.push_back(clock::now());
+      auto [sr, rr] = co_await when_all(s.c.send(local), s.c.recv());
+      check(std::move(sr), "send (send_lat)");
+      auto m = check(std::move(rr), "recv (send_lat)");
+      if (m.size() != size) fail("send_lat: pong of the wrong size");
+    }
+  } else {  // read_lat
+    for (std::uint64_t i = 0; i < total; ++i) {
+      ts.push_back(clock::now());
+      check(co_await s.c.read(local, rb), "read (read_lat)");
+    }
+    if (!has_pattern(local.data(), size)) fail("read_lat: data read back does not match");
+  }
+  ts.push_back(clock::now());
+  const double div = t == test_id::read_lat ? 1.0 : 2.0;  // ping-pongs: half the round trip
+  std::vector<double> v;
+  v.reserve(iters);
+  for (std::uint64_t i = warmup; i < total; ++i) v.push_back(us(ts[i + 1] - ts[i]) / div);
+  co_return lat_stats(std::move(v), size);
+}
+
+void print_header(const options& o, const char* provider, std::uint64_t depth, bool imm) {
+  std::printf("#---------------------------------------------------------------------------------------\n");
+  std::printf("# shuttle-perf %s, provider %s, depth %" PRIu64 "\n", o.test->name, provider, depth);
+  if (o.test->id == test_id::write_lat && imm)
+    std::printf("# write_lat: write_with_imm ping-pong; each side waits for the peer's immediate (recv)\n");
+  else if (o.test->id == test_id::write_lat)
+    std::printf("# write_lat: ping-pong RDMA writes; each side polls its own registered memory (last byte)\n");
+  if (o.test->latency)
+    std::printf("# %-10s %-12s %-14s %-14s %-14s %-14s\n", "#bytes", "#iterations", "t_min[usec]", "t_typical[usec]",
+                "t_avg[usec]", "t_99[usec]");
+  else
+    std::printf("# %-10s %-12s %-18s %-20s %-14s\n", "#bytes", "#iterations", "BW peak[MB/sec]", "BW average[MB/sec]",
+                "MsgRate[Mpps]");
+  std::fflush(stdout);
+}
+
+task<int> client_main(const options& o) {
+  domain d = open_domain(o);
+  const auto& t = *o.test;
+  const std::uint64_t depth = o.depth ? o.depth : (t.latency ? 1 : 128);
+  const std::uint64_t iters = o.iters ? o.iters : (t.latency ? 1000 : 5000);
+  const std::uint64_t warmup = o.warmup ? *o.warmup : std::min<std::uint64_t>(iters / 10, 1000);
+  auto ep = check(endpoint::resolve(*o.host, o.port), ("resolving " + *o.host).c_str());
+  auto c = check(co_await d.connect(ep, conn_opts(o, depth)), ("connecting to " + ep.to_string()).c_str());
+
+  std::vector<std::uint64_t> sizes;
+  const bool send_test = t.id == test_id::send_bw || t.id == test_id::send_lat;
+  const std::uint64_t max_msg = send_test ? c.max_message_size() : UINT64_MAX;
+  if (t.id == test_id::atomic) {
+    sizes = {8};
+  } else if (o.sweep) {
+    for (std::uint64_t s = 2; s <= (8u << 20) && s <= max_msg; s *= 2) sizes.push_back(s);
+  } else {
+    sizes = {o.size ? o.size : (t.latency ? 2 : 65536)};
+    if (sizes[0] > max_msg)
+      fail(std::string(t.name) + ": size " + std::to_string(sizes[0]) + " is above the largest message (" +
+           std::to_string(max_msg) + ")");
+  }
+  const std::uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
+  std::uint64_t region = std::max<std::uint64_t>(max_size, std::min<std::uint64_t>(max_size * depth, region_cap));
+
+  client_state s{std::move(c), o, {}, {}, {}, {}, {}};
+  s.local = std::make_unique<buffer>(region);
+  s.pong = std::make_unique<buffer>(max_size);
+  s.local_mr = check(d.register_memory(s.local->span(), access::all), "register_memory");
+  s.pong_mr = check(d.register_memory(s.pong->span(), access::all), "register_memory");
+
+  ctrl h{};
+  h.op = cmd::hello;
+  h.test = t.id;
+  h.region = region;
+  h.depth = depth;
+  s.pong_mr.remote().serialize(h.rb);
+  co_await send_ctrl(s.c, h);
+  ctrl r = co_await recv_ctrl(s.c, cmd::region);
+  s.server = remote_buffer::deserialize(r.rb);
+  if (s.server.length < region) fail("protocol error: the server's region is too small");
+
+  const bool imm = t.id == test_id::write_lat &&
+                   (o.lat_method == "imm" || (o.lat_method == "auto" && d.kind() != transport_kind::verbs));
+  print_header(o, d.describe().c_str(), depth, imm);
+  for (std::uint64_t size : sizes) {
+    ctrl p{};
+    p.op = cmd::point;
+    p.test = t.id;
+    p.size = size;
+    p.iters = iters;
+    p.warmup = warmup;
+    p.depth = depth;
+    p.imm_pingpong = imm;
+    std::memset(s.pong->p, 0, size);
+    co_await send_ctrl(s.c, p);
+    (void)co_await recv_ctrl(s.c, cmd::ready);
+    std::optional<bw_row> bw;
+    std::optional<lat_row> lat;
+    if (t.latency)
+      lat = co_await run_lat(s, t.id, size, iters, warmup, imm);
+    else
+      bw = co_await run_bw(s, t.id, size, iters, warmup, depth);
+    ctrl e{};
+    e.op = cmd::end;
+    co_await send_ctrl(s.c, e);
+    ctrl out = co_await recv_ctrl(s.c, cmd::outcome);
+    if (out.status != 0) fail(std::string(t.name) + ": the server found wrong data in its memory");
+    if (bw) {
+      std::printf("  %-10" PRIu64 " %-12" PRIu64 " %-18.2f %-20.2f %-14.6f\n", bw->size, bw->iters, bw->peak, bw->avg,
+                  bw->mpps);
+      if (o.json)
+        std::printf("{\"test\":\"%s\",\"transport\":\"%s\",\"bytes\":%" PRIu64 ",\"iterations\":%" PRIu64
+                    ",\"depth\":%" PRIu64 ",\"bw_peak_mb_s\":%.3f,\"bw_avg_mb_s\":%.3f,\"msg_rate_mpps\":%.6f}\n",
+                    t.name, to_string(s.c.kind()), bw->size, bw->iters, depth, bw->peak, bw->avg, bw->mpps);
+    } else {
+      std::printf("  %-10" PRIu64 " %-12" PRIu64 " %-14.2f %-14.2f %-14.2f %-14.2f\n", lat->size, lat->iters,
+                  lat->tmin, lat->typical, lat->avg, lat->p99);
+      if (o.json)
+        std::printf("{\"test\":\"%s\",\"transport\":\"%s\",\"bytes\":%" PRIu64 ",\"iterations\":%" PRIu64
+                    ",\"method\":\"%s\",\"t_min_us\":%.3f,\"t_typical_us\":%.3f,\"t_avg_us\":%.3f,\"t_99_us\":%.3f}\n",
+                    t.name, to_string(s.c.kind()), lat->size, lat->iters,
+                    t.id == test_id::write_lat ? (imm ? "write-imm-pingpong" : "write-pingpong-poll") : t.id == test_id::send_lat ? "send-pingpong"
+                                                                                                  : "serial-read",
+                    lat->tmin, lat->typical, lat->avg, lat->p99);
+    }
+    std::fflush(stdout);
+  }
+  std::printf("#---------------------------------------------------------------------------------------\n");
+  (void)co_await s.c.close();
+  co_return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    options o = parse_args(argc, argv);
+    io_context::options io;
+    io.spin_budget = std::chrono::microseconds(o.spin_us);
+    io_context ctx(io);
+    int rc = o.host ? ctx.run(client_main(o)) : ctx.run(server_main(o));
+    (void)ctx.run(sleep_for(std::chrono::milliseconds(5)));  // let the provider wind down
+    return rc;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shuttle-perf: %s\n", e.what());
+    return 1;
+  }
+}
