@@ -2,12 +2,20 @@
 //
 //   shuttle-echo-client --host H --port P [--connections C] [--size S]
 //                       [--duration T] [--threads N] [--connect-timeout T] [--json]
+//                       [--transport tcp|rdma|tcp-provider]
 //
 // Opens C connections (spread round-robin over N threads, each with its own
-// io_context), then for T seconds every connection loops: write S bytes (a
-// pattern that changes with every request and connection), read S bytes
+// io_context), then for T seconds every connection loops: send S bytes (a
+// pattern that changes with every request and connection), receive S bytes
 // back, check them, record the round-trip latency. Requests still in flight
 // at the deadline are cancelled and not counted.
+//
+// --transport tcp (the default) uses TCP sockets (write, then read S bytes).
+// --transport rdma (the verbs provider, rdma_cm) and tcp-provider (shuttle's
+// RDMA semantics over TCP) use the transport API: each thread opens a domain,
+// every request is one send and the echo one recv. S must then be at most the
+// connection's max_message_size() (the server's receive buffers, see its
+// --max-message); a larger S is refused with an error once connected.
 //
 // Prints requests/s, MB/s (echoed payload, one direction, 10^6 bytes),
 // latency p50/p99/p99.9 in microseconds and the error counts; with --json a
@@ -15,9 +23,12 @@
 //
 // Exit status: 0 if every connection was made and every reply matched, 1 if
 // anything failed (connection failures, I/O errors, mismatched echoes), 2 for
-// bad usage.
+// bad usage (also: S larger than the connection's maximum message).
 
 #include <shuttle/shuttle.hpp>
+#include <shuttle/transport.hpp>
+
+#include "cli.hpp"
 
 #include <algorithm>
 #include <array>
@@ -34,6 +45,7 @@
 #include <future>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -104,12 +116,15 @@ class histogram {
 
 struct connection {
   std::uint64_t id = 0;
-  shuttle::tcp_socket socket;
+  shuttle::tcp_socket socket;  // --transport tcp
+  shuttle::connection conn;    // the transport API
+  bool is_open() const noexcept { return socket.is_open() || conn.is_open(); }
 };
 
 // Touched only by its runtime thread while a phase runs; main reads it after
 // the phase's future is ready.
 struct thread_state {
+  std::optional<shuttle::domain> domain;  // the transport API: this thread's
   std::vector<connection> connections;
   histogram latency;
   std::uint64_t requests = 0;
@@ -117,6 +132,7 @@ struct thread_state {
   std::uint64_t mismatches = 0;
   std::uint64_t connect_failures = 0;
   std::uint64_t starved = 0;  // connected, but not one request completed
+  std::size_t too_big = 0;    // the transport API: a connection whose max_message_size() < S
   std::vector<std::string> messages;  // the first few error descriptions
   std::size_t live = 0;               // connections still looping
   shuttle::event all_done;
@@ -167,8 +183,14 @@ std::error_code current_exception_code() noexcept {
   }
 }
 
-task<void> connect_one(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
-                       std::chrono::nanoseconds timeout) {
+// What the phases need to know besides the thread's state.
+struct load_params {
+  cli::transport transport = cli::transport::socket;
+  std::size_t size = 64;
+};
+
+task<void> connect_socket(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
+                          std::chrono::nanoseconds timeout) {
   shuttle::result<shuttle::tcp_socket> r;
   try {
     r = co_await shuttle::tcp_socket::connect(ep, timeout);
@@ -186,11 +208,73 @@ task<void> connect_one(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
   (void)c.socket.set_nodelay(true);
 }
 
-// Phase 1: open this thread's connections, all at once.
-task<void> connect_all(thread_state& ts, shuttle::endpoint ep, std::chrono::nanoseconds timeout) {
+task<void> connect_transport(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
+                             std::chrono::nanoseconds timeout, load_params lp) {
+  shuttle::connection_options opts;
+  opts.connect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+  // One request in flight per connection: a few receives of the request size
+  // (1 MiB of them, at least 4).
+  opts.receive_buffers = static_cast<std::uint32_t>(std::clamp<std::size_t>((std::size_t(1) << 20) / lp.size, 4, 16));
+  opts.receive_buffer_size = std::max<std::size_t>(lp.size, 64);
+  shuttle::result<shuttle::connection> r;
+  try {
+    r = co_await ts.domain->connect(ep, opts);
+  } catch (...) {
+    r = current_exception_code();
+  }
+  connection& c = ts.connections[slot];
+  if (!r) {
+    ++ts.connect_failures;
+    ts.note("connection " + std::to_string(c.id) + " to " + ep.to_string() + " failed: " +
+            (r.error() == std::errc::timed_out ? std::string("timed out") : r.error().message()));
+    co_return;
+  }
+  if (r->max_message_size() < lp.size) {
+    // Refused here rather than by every send.
+    if (ts.too_big == 0)
+      ts.note("--size " + std::to_string(lp.size) + " is larger than the connection's max_message_size() of " +
+              std::to_string(r->max_message_size()) +
+              " bytes (the server's receive buffers: raise the server's --max-message, or lower --size)");
+    ++ts.too_big;
+    co_return;  // the connection is dropped here
+  }
+  c.conn = std::move(*r);
+}
+
+// Phase 1: open this thread's connections, all at once (over the transport
+// API, from a domain of this thread's own).
+task<void> connect_all(thread_state& ts, shuttle::endpoint ep, std::chrono::nanoseconds timeout, load_params lp) {
+  if (lp.transport != cli::transport::socket) {
+    shuttle::domain_options dopts;
+    dopts.kind = cli::kind_of(lp.transport);
+    auto d = shuttle::domain::open(dopts);
+    if (!d) {
+      ts.connect_failures += ts.connections.size();
+      std::string why = d.error().message();
+      if (d.error() == shuttle::errc::not_supported && lp.transport == cli::transport::rdma)
+        why += " (no active RDMA device, or shuttle was built without rdma-core)";
+      ts.note(std::string("cannot open a ") + cli::to_string(lp.transport) + " domain: " + why);
+      co_return;
+    }
+    ts.domain.emplace(std::move(*d));
+  }
   shuttle::async_scope scope;
-  for (std::size_t i = 0; i < ts.connections.size(); ++i) scope.spawn(connect_one(ts, i, ep, timeout));
+  for (std::size_t i = 0; i < ts.connections.size(); ++i) {
+    if (lp.transport == cli::transport::socket)
+      scope.spawn(connect_socket(ts, i, ep, timeout));
+    else
+      scope.spawn(connect_transport(ts, i, ep, timeout, lp));
+  }
   co_await scope.join();
+}
+
+// Last phase: the transport API's connections and domain go on their own
+// thread (the provider winds down there).
+task<void> teardown(thread_state& ts) {
+  for (auto& c : ts.connections) c.conn = shuttle::connection{};
+  if (!ts.domain) co_return;
+  (void)co_await shuttle::sleep_for(std::chrono::milliseconds(5));
+  ts.domain.reset();
 }
 
 // Writes then, on failure, shuts the socket down so that the concurrent read
@@ -201,15 +285,37 @@ task<shuttle::result<void>> write_request(shuttle::tcp_socket& sock, std::span<c
   co_return w;
 }
 
-task<void> connection_loop(thread_state& ts, connection& c, std::size_t size, steady::time_point deadline) {
-  std::vector<std::byte> out(size), in(size);
+// One request over the transport API: a send, the echo by recv.
+task<std::error_code> transport_request(connection& c, const std::vector<std::byte>& out, bool& match,
+                                        std::size_t& differs_at) {
+  auto w = co_await c.conn.send(out);
+  if (!w) co_return w.error();
+  auto m = co_await c.conn.recv();
+  if (!m) co_return m.error();
+  auto in = m->data();
+  match = in.size() == out.size() && std::memcmp(out.data(), in.data(), out.size()) == 0;
+  if (!match) {
+    differs_at = 0;
+    while (differs_at < in.size() && differs_at < out.size() && out[differs_at] == in[differs_at]) ++differs_at;
+  }
+  co_return std::error_code{};
+}
+
+task<void> connection_loop(thread_state& ts, connection& c, load_params lp, steady::time_point deadline) {
+  const std::size_t size = lp.size;
+  const bool over_socket = lp.transport == cli::transport::socket;
+  std::vector<std::byte> out(size), in(over_socket ? size : 0);
   std::uint64_t seq = 0;
   for (; steady::now() < deadline; ++seq) {
     fill_pattern(out, c.id, seq);
     const auto t0 = steady::now();
     std::error_code ec;
+    bool match = true;
+    std::size_t differs_at = 0;
     try {
-      if (size <= kSequentialLimit) {
+      if (!over_socket) {
+        ec = co_await transport_request(c, out, match, differs_at);
+      } else if (size <= kSequentialLimit) {
         auto w = co_await c.socket.write_all(out);
         if (!w) {
           ec = w.error();
@@ -234,16 +340,20 @@ task<void> connection_loop(thread_state& ts, connection& c, std::size_t size, st
       if (is_cancel(ec)) break;  // the deadline, not a failure
       ++ts.io_errors;
       ts.note("connection " + std::to_string(c.id) + ": " +
-              (ec == shuttle::errc::eof ? std::string("server closed the connection") : ec.message()) +
+              (ec == shuttle::errc::eof || ec == shuttle::errc::disconnected ? std::string("server closed the connection")
+                                                                             : ec.message()) +
               " after " + std::to_string(seq) + " requests");
       break;
     }
-    if (std::memcmp(out.data(), in.data(), size) != 0) {
+    if (over_socket && std::memcmp(out.data(), in.data(), size) != 0) {
+      match = false;
+      while (differs_at < size && out[differs_at] == in[differs_at]) ++differs_at;
+    }
+    if (!match) {
       ++ts.mismatches;
-      std::size_t at = 0;
-      while (at < size && out[at] == in[at]) ++at;
       ts.note("connection " + std::to_string(c.id) + ": request " + std::to_string(seq) +
-              ": echo differs from what was sent at byte " + std::to_string(at) + " of " + std::to_string(size));
+              ": echo differs from what was sent at byte " + std::to_string(differs_at) + " of " +
+              std::to_string(size));
       break;  // the stream is out of step: stop using this connection
     }
     ++ts.requests;
@@ -251,6 +361,12 @@ task<void> connection_loop(thread_state& ts, connection& c, std::size_t size, st
   }
   if (seq == 0) ++ts.starved;
   c.socket.close();
+  if (!over_socket) {
+    // Graceful when the loop ended between requests; a cancelled connection
+    // (a request was in flight at the deadline) is aborted by teardown.
+    std::stop_token stop = co_await shuttle::get_stop_token();
+    if (!stop.stop_requested() && c.conn.is_open()) (void)co_await c.conn.close();
+  }
   if (--ts.live == 0) ts.all_done.set();
 }
 
@@ -259,14 +375,14 @@ task<void> wait_until(steady::time_point t) { (void)co_await shuttle::sleep_unti
 
 // Phase 2: run every open connection until the deadline (or until they all
 // failed), then cancel what is in flight.
-task<void> run_load(thread_state& ts, std::size_t size, steady::time_point deadline) {
+task<void> run_load(thread_state& ts, load_params lp, steady::time_point deadline) {
   shuttle::async_scope scope;
   ts.live = 0;
   for (auto& c : ts.connections)
-    if (c.socket.is_open()) ++ts.live;
+    if (c.is_open()) ++ts.live;
   if (ts.live == 0) co_return;
   for (auto& c : ts.connections)
-    if (c.socket.is_open()) scope.spawn(connection_loop(ts, c, size, deadline));
+    if (c.is_open()) scope.spawn(connection_loop(ts, c, lp, deadline));
   (void)co_await shuttle::when_any(wait_event(ts.all_done), wait_until(deadline));
   scope.request_stop();
   co_await scope.join();
@@ -305,93 +421,48 @@ struct options {
   std::size_t threads = 1;
   double connect_timeout = 5;
   bool json = false;
+  cli::transport transport = cli::transport::socket;
 };
 
-[[noreturn]] void usage(int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: %s --port P [--host H] [--connections C] [--size S] [--duration T]\n"
-               "       [--threads N] [--connect-timeout T] [--json]\n"
-               "  --host H             server address or name (default 127.0.0.1)\n"
-               "  --port P             server port\n"
-               "  --connections C      concurrent connections (default 1)\n"
-               "  --size S             bytes per request (default 64)\n"
-               "  --duration T         seconds of load, fractions allowed (default 5)\n"
-               "  --threads N          client threads; connections are spread over them (default 1)\n"
-               "  --connect-timeout T  seconds allowed for each connect (default 5)\n"
-               "  --json               also print the results as one JSON line (the last line)\n",
-               kProg);
-  std::exit(code);
-}
-
-[[noreturn]] void bad_value(std::string_view name, std::string_view value, const char* expected) {
-  std::fprintf(stderr, "%s: bad %.*s '%.*s' (%s)\n", kProg, int(name.size()), name.data(), int(value.size()),
-               value.data(), expected);
-  std::exit(2);
-}
-
-std::uint64_t parse_count(std::string_view name, std::string_view s, std::uint64_t min, std::uint64_t max) {
-  std::uint64_t v = 0;
-  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (s.empty() || ec != std::errc{} || end != s.data() + s.size() || v < min || v > max) {
-    std::string range = std::to_string(min) + "-" + std::to_string(max);
-    bad_value(name, s, range.c_str());
-  }
-  return v;
-}
-
-double parse_seconds(std::string_view name, std::string_view s) {
-  std::string str(s);
-  char* end = nullptr;
-  double v = std::strtod(str.c_str(), &end);
-  if (str.empty() || *end != '\0' || !std::isfinite(v) || v <= 0 || v > 1e6)
-    bad_value(name, s, "seconds, > 0");
-  return v;
-}
+const char* const kUsage =
+    "usage: shuttle-echo-client --port P [--host H] [--connections C] [--size S] [--duration T]\n"
+    "       [--threads N] [--connect-timeout T] [--json] [--transport T]\n"
+    "  --host H             server address or name (default 127.0.0.1)\n"
+    "  --port P             server port\n"
+    "  --connections C      concurrent connections (default 1)\n"
+    "  --size S             bytes per request (default 64)\n"
+    "  --duration T         seconds of load, fractions allowed (default 5)\n"
+    "  --threads N          client threads; connections are spread over them (default 1)\n"
+    "  --connect-timeout T  seconds allowed for each connect (default 5)\n"
+    "  --json               also print the results as one JSON line (the last line)\n"
+    "  --transport T        tcp (sockets, default), rdma (verbs provider, rdma_cm) or\n"
+    "                       tcp-provider (RDMA semantics over TCP): the last two send each\n"
+    "                       request as one message, at most the connection's max_message_size()\n";
 
 options parse_options(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "-h" || arg == "--help") usage(0);
-    if (arg == "--json") {
-      o.json = true;
-      continue;
-    }
-    std::string_view name = arg, value;
-    if (auto eq = arg.find('='); arg.starts_with("--") && eq != arg.npos) {
-      name = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-    } else {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s: %s needs a value\n", kProg, argv[i]);
-        usage(2);
-      }
-      value = argv[++i];
-    }
-    if (name == "--host") {
-      o.host = std::string(value);
-    } else if (name == "--port") {
-      o.port = static_cast<unsigned>(parse_count(name, value, 1, 65535));
-      o.port_set = true;
-    } else if (name == "--connections") {
-      o.connections = parse_count(name, value, 1, 1'000'000);
-    } else if (name == "--size") {
-      o.size = parse_count(name, value, 1, 1ull << 30);
-    } else if (name == "--duration") {
-      o.duration = parse_seconds(name, value);
-    } else if (name == "--threads") {
-      o.threads = parse_count(name, value, 1, 1024);
-    } else if (name == "--connect-timeout") {
-      o.connect_timeout = parse_seconds(name, value);
-    } else {
-      std::fprintf(stderr, "%s: unknown option '%.*s'\n", kProg, int(name.size()), name.data());
-      usage(2);
-    }
-  }
-  if (!o.port_set) {
-    std::fprintf(stderr, "%s: --port is required\n", kProg);
-    usage(2);
-  }
+  cli::parser p{kProg, kUsage};
+  p.parse(argc, argv,
+          {
+              {"--json", [&] { o.json = true; }},
+              {"--host", [&](std::string_view v) { o.host = std::string(v); }},
+              {"--port",
+               [&](std::string_view v) {
+                 o.port = static_cast<unsigned>(p.count("--port", v, 1, 65535));
+                 o.port_set = true;
+               }},
+              {"--connections", [&](std::string_view v) { o.connections = p.count("--connections", v, 1, 1'000'000); }},
+              {"--size", [&](std::string_view v) { o.size = p.count("--size", v, 1, 1ull << 30); }},
+              {"--duration", [&](std::string_view v) { o.duration = p.seconds("--duration", v); }},
+              {"--threads", [&](std::string_view v) { o.threads = p.count("--threads", v, 1, 1024); }},
+              {"--connect-timeout", [&](std::string_view v) { o.connect_timeout = p.seconds("--connect-timeout", v); }},
+              {"--transport",
+               [&](std::string_view v) {
+                 o.transport = p.transport_name(
+                     "--transport", v, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider});
+               }},
+          });
+  if (!o.port_set) p.fail_with_usage("--port is required");
   return o;
 }
 
@@ -409,16 +480,32 @@ int run_client(const options& o) {
   shuttle::runtime rt(threads);
   std::vector<std::unique_ptr<thread_state>> states;
   for (std::size_t i = 0; i < threads; ++i) states.push_back(std::make_unique<thread_state>());
-  for (std::size_t id = 0; id < o.connections; ++id) states[id % threads]->connections.push_back({id, {}});
+  for (std::size_t id = 0; id < o.connections; ++id) states[id % threads]->connections.push_back({id, {}, {}});
 
   // Phase 1: connect.
   const auto timeout = to_ns(o.connect_timeout);
   const auto connect_start = steady::now();
-  on_every_thread(rt, [&](std::size_t i) { return connect_all(*states[i], *ep, timeout); });
+  const load_params lp{o.transport, o.size};
+  on_every_thread(rt, [&](std::size_t i) { return connect_all(*states[i], *ep, timeout, lp); });
   const double connect_s = std::chrono::duration<double>(steady::now() - connect_start).count();
 
   std::uint64_t connect_failures = 0;
   for (auto& s : states) connect_failures += s->connect_failures;
+  std::size_t too_big = 0;
+  for (auto& s : states) too_big += s->too_big;
+  if (too_big) {
+    // A usage error, found once connected: that message alone, exit 2.
+    bool said = false;
+    for (auto& s : states)
+      for (auto& m : s->messages)
+        if (!said && m.starts_with("--size")) {
+          std::fprintf(stderr, "%s: %s\n", kProg, m.c_str());
+          said = true;
+        }
+    on_every_thread(rt, [&](std::size_t i) { return teardown(*states[i]); });
+    rt.join();
+    return 2;
+  }
   const std::uint64_t connected = o.connections - connect_failures;
   if (connect_failures) {
     std::fprintf(stderr, "%s: %llu of %zu connections to %s failed\n", kProg,
@@ -432,8 +519,9 @@ int run_client(const options& o) {
   const auto start = steady::now();
   const auto deadline = start + to_ns(o.duration);
   if (connected > 0)
-    on_every_thread(rt, [&](std::size_t i) { return run_load(*states[i], o.size, deadline); });
+    on_every_thread(rt, [&](std::size_t i) { return run_load(*states[i], lp, deadline); });
   const double elapsed = std::chrono::duration<double>(steady::now() - start).count();
+  on_every_thread(rt, [&](std::size_t i) { return teardown(*states[i]); });
   rt.join();
 
   histogram latency;
@@ -455,8 +543,10 @@ int run_client(const options& o) {
   for (auto& s : states)
     for (auto& m : s->messages) std::fprintf(stderr, "%s: %s\n", kProg, m.c_str());
 
-  std::printf("%s: %s, %llu/%zu connections (connected in %.3f s), %zu threads, %zu-byte requests, %.3f s\n",
-              kProg, ep->to_string().c_str(), static_cast<unsigned long long>(connected), o.connections,
+  const std::string over =
+      o.transport == cli::transport::socket ? std::string() : std::string(" over ") + cli::to_string(o.transport);
+  std::printf("%s: %s%s, %llu/%zu connections (connected in %.3f s), %zu threads, %zu-byte requests, %.3f s\n",
+              kProg, ep->to_string().c_str(), over.c_str(), static_cast<unsigned long long>(connected), o.connections,
               connect_s, threads, o.size, elapsed);
   std::printf("  requests:  %llu (%.0f requests/s)\n", static_cast<unsigned long long>(requests), rps);
   std::printf("  echoed:    %.2f MB/s\n", mbps);
@@ -472,11 +562,12 @@ int run_client(const options& o) {
         "{\"host\":\"%s\",\"port\":%u,\"connections\":%zu,\"connected\":%llu,\"threads\":%zu,\"size\":%zu,"
         "\"duration_s\":%.6f,\"requests\":%llu,\"requests_per_s\":%.1f,\"mb_per_s\":%.3f,"
         "\"p50_us\":%.2f,\"p99_us\":%.2f,\"p999_us\":%.2f,\"errors\":%llu,\"connect_failures\":%llu,"
-        "\"io_errors\":%llu,\"mismatches\":%llu,\"starved\":%llu}\n",
+        "\"io_errors\":%llu,\"mismatches\":%llu,\"starved\":%llu,\"transport\":\"%s\"}\n",
         o.host.c_str(), o.port, o.connections, static_cast<unsigned long long>(connected), threads, o.size, elapsed,
         static_cast<unsigned long long>(requests), rps, mbps, p50, p99, p999, static_cast<unsigned long long>(errors),
         static_cast<unsigned long long>(connect_failures), static_cast<unsigned long long>(io_errors),
-        static_cast<unsigned long long>(mismatches), static_cast<unsigned long long>(starved));
+        static_cast<unsigned long long>(mismatches), static_cast<unsigned long long>(starved),
+        cli::to_string(o.transport));
   }
   std::fflush(stdout);
   return errors ? 1 : 0;

@@ -1,16 +1,29 @@
-// shuttle-echo-server: a TCP echo server on shuttle.
+// shuttle-echo-server: an echo server on shuttle, over TCP sockets or over
+// the transport API.
 //
-//   shuttle-echo-server --port P [--threads N] [--transport tcp] [--bind ADDR]
+//   shuttle-echo-server --port P [--threads N] [--transport tcp|rdma|tcp-provider]
+//                       [--bind ADDR] [--max-message BYTES]
 //
-// Layout: N runtime threads, each with its own io_context and its own
-// listener bound with SO_REUSEPORT to the same port, so the kernel spreads
-// connections over the threads and a connection never leaves the thread that
-// accepted it. Each thread accepts into its own async_scope; every connection
-// is one coroutine echoing with read_some / write_all over a 16 KiB buffer.
+// --transport tcp (the default): plain TCP sockets. N runtime threads, each
+// with its own io_context and its own listener bound with SO_REUSEPORT to the
+// same port, so the kernel spreads connections over the threads and a
+// connection never leaves the thread that accepted it. Each thread accepts
+// into its own async_scope; every connection is one coroutine echoing with
+// read_some / write_all over a 16 KiB buffer.
+//
+// --transport rdma | tcp-provider: the transport API (transport.hpp) with the
+// verbs provider (rdma_cm; ADDR must then be an address of an RDMA interface
+// or 0.0.0.0) or shuttle's tcp provider (RDMA semantics over TCP). One
+// thread: a domain, its listener and its connections belong to one loop.
+// Every connection is one coroutine that echoes each received message with a
+// send. Messages up to --max-message bytes (default 65536: the size of the
+// server's receive buffers, and so the clients' max_message_size()); 4 to 16
+// of them per connection (1 MiB, at least 4).
 //
 // --port 0 binds an ephemeral port (thread 0 binds first, the others join it);
 // the listening line prints the real one:
 //   shuttle-echo-server listening on port P with N threads
+// (over the transport API followed by " over " and the provider).
 //
 // Shutdown: SIGINT/SIGTERM are blocked before the runtime starts and read by
 // the main thread through a signal_set on its own io_context. On a signal the
@@ -23,7 +36,11 @@
 // in the kernel's backlog meanwhile and are served once descriptors free up.
 
 #include <shuttle/shuttle.hpp>
+#include <shuttle/transport.hpp>
 
+#include "cli.hpp"
+
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -37,6 +54,7 @@
 #include <future>
 #include <new>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -51,6 +69,13 @@ constexpr std::size_t kBufferSize = 16 * 1024;
 constexpr auto kMinBackoff = 10ms;
 constexpr auto kMaxBackoff = 100ms;
 constexpr const char* kProg = "shuttle-echo-server";
+
+// Posted receives per transport connection: its clients keep one request in
+// flight, so a few do; fewer for large messages (each one is --max-message
+// bytes of memory, per connection).
+std::uint32_t receive_buffers_for(std::size_t max_message) {
+  return static_cast<std::uint32_t>(std::clamp<std::size_t>((std::size_t(1) << 20) / max_message, 4, 16));
+}
 
 // Written only by the owning runtime thread; read by main after join().
 struct alignas(64) thread_stats {
@@ -103,6 +128,9 @@ bool is_resource_exhaustion(const std::error_code& ec) {
 
 // Errors that concern one aborted connection, not the listener: try again now.
 bool is_transient(const std::error_code& ec) {
+  // A transport handshake that failed (a peer that spoke the wrong protocol,
+  // went away, or was refused) concerns that peer alone.
+  if (ec == shuttle::errc::protocol_error || ec == shuttle::errc::eof) return true;
   if (ec.category() != std::system_category()) return false;
   switch (ec.value()) {
     case ECONNABORTED:
@@ -144,7 +172,30 @@ task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats
   }
 }
 
-task<void> serve(std::size_t index, shuttle::tcp_listener listener, thread_stats& stats) {
+// Over the transport API: every received message goes back with a send. The
+// message's buffer returns to the receive pool once the send completed.
+task<void> echo(std::size_t index, shuttle::connection conn, thread_stats& stats) {
+  try {
+    for (;;) {
+      auto m = co_await conn.recv();
+      // The peer disconnected, cancellation (shutdown), any error: done.
+      if (!m) break;
+      if (m->imm()) continue;  // a write_with_imm notification: nothing to echo
+      auto w = co_await conn.send(m->data());
+      if (!w) break;
+      stats.bytes += m->size();
+    }
+  } catch (...) {
+    log_throttled("thread " + std::to_string(index) + ": connection dropped: " + current_exception_code().message());
+  }
+  // The connection's destructor aborts it: pending operations fail, the peer
+  // sees a disconnect.
+}
+
+// Accepts on `listener` (a tcp_listener or a transport listener) until
+// stopped; one echo coroutine per connection.
+template <class Listener>
+task<void> serve(std::size_t index, Listener listener, thread_stats& stats) {
   shuttle::async_scope connections;
   auto backoff = std::chrono::duration_cast<std::chrono::milliseconds>(kMinBackoff);
   const std::stop_token stop = co_await shuttle::get_stop_token();
@@ -200,7 +251,7 @@ task<void> fulfil(task<void> t, std::promise<void> done) {
   }
 }
 
-task<shuttle::result<shuttle::tcp_listener>> bind_here(shuttle::endpoint ep) {
+task<shuttle::result<shuttle::tcp_listener>> bind_socket(shuttle::endpoint ep) {
   // Runs on the thread that will own the listener (it registers with that
   // thread's io_context).
   co_return shuttle::tcp_listener::bind(ep, {.backlog = 4096, .reuse_address = true, .reuse_port = true});
@@ -221,86 +272,56 @@ struct options {
   unsigned port = 0;
   bool port_set = false;
   std::size_t threads = 1;
-  std::string transport = "tcp";
+  cli::transport transport = cli::transport::socket;
   std::string bind = "0.0.0.0";
+  std::size_t max_message = 65536;
 };
 
-[[noreturn]] void usage(int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: %s --port P [--threads N] [--transport tcp] [--bind ADDR]\n"
-               "  --port P        TCP port to listen on (0: pick a free one and print it)\n"
-               "  --threads N     event-loop threads, one listener each (default 1)\n"
-               "  --transport T   only 'tcp' for now\n"
-               "  --bind ADDR     numeric address to bind (default 0.0.0.0; '::' for IPv6)\n",
-               kProg);
-  std::exit(code);
-}
-
-bool parse_unsigned(std::string_view s, unsigned long long max, unsigned long long& out) {
-  if (s.empty()) return false;
-  unsigned long long v = 0;
-  for (char c : s) {
-    if (c < '0' || c > '9') return false;
-    v = v * 10 + static_cast<unsigned>(c - '0');
-    if (v > max) return false;
-  }
-  out = v;
-  return true;
-}
+const char* const kUsage =
+    "usage: shuttle-echo-server --port P [--threads N] [--transport T] [--bind ADDR]\n"
+    "                           [--max-message BYTES]\n"
+    "  --port P             port to listen on (0: pick a free one and print it)\n"
+    "  --threads N          event-loop threads, one listener each (default 1; tcp only)\n"
+    "  --transport T        tcp (sockets, default), rdma (verbs provider, rdma_cm) or\n"
+    "                       tcp-provider (RDMA semantics over TCP): the last two use the transport API\n"
+    "  --bind ADDR          numeric address to bind (default 0.0.0.0; '::' for IPv6)\n"
+    "  --max-message BYTES  rdma, tcp-provider: largest message accepted (default 65536;\n"
+    "                       suffixes k, m, g)\n";
 
 options parse_options(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "-h" || arg == "--help") usage(0);
-    std::string_view value;
-    std::string_view name = arg;
-    if (auto eq = arg.find('='); arg.starts_with("--") && eq != arg.npos) {
-      name = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-    } else {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s: %s needs a value\n", kProg, argv[i]);
-        usage(2);
-      }
-      value = argv[++i];
-    }
-    unsigned long long v = 0;
-    if (name == "--port") {
-      if (!parse_unsigned(value, 65535, v)) {
-        std::fprintf(stderr, "%s: bad --port '%.*s' (0-65535)\n", kProg, int(value.size()), value.data());
-        std::exit(2);
-      }
-      o.port = static_cast<unsigned>(v);
-      o.port_set = true;
-    } else if (name == "--threads") {
-      if (!parse_unsigned(value, 1024, v) || v == 0) {
-        std::fprintf(stderr, "%s: bad --threads '%.*s' (1-1024)\n", kProg, int(value.size()), value.data());
-        std::exit(2);
-      }
-      o.threads = static_cast<std::size_t>(v);
-    } else if (name == "--transport") {
-      o.transport = std::string(value);
-    } else if (name == "--bind") {
-      o.bind = std::string(value);
-    } else {
-      std::fprintf(stderr, "%s: unknown option '%.*s'\n", kProg, int(name.size()), name.data());
-      usage(2);
-    }
-  }
-  if (!o.port_set) {
-    std::fprintf(stderr, "%s: --port is required\n", kProg);
-    usage(2);
-  }
-  if (o.transport != "tcp") {
-    std::fprintf(stderr, "%s: unsupported --transport '%s': only 'tcp' is available (RDMA is not implemented yet)\n",
-                 kProg, o.transport.c_str());
-    std::exit(2);
-  }
+  bool max_set = false;
+  cli::parser p{kProg, kUsage};
+  p.parse(argc, argv,
+          {
+              {"--port",
+               [&](std::string_view v) {
+                 o.port = static_cast<unsigned>(p.count("--port", v, 0, 65535));
+                 o.port_set = true;
+               }},
+              {"--threads", [&](std::string_view v) { o.threads = p.count("--threads", v, 1, 1024); }},
+              {"--transport",
+               [&](std::string_view v) {
+                 o.transport = p.transport_name(
+                     "--transport", v, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider});
+               }},
+              {"--bind", [&](std::string_view v) { o.bind = std::string(v); }},
+              {"--max-message",
+               [&](std::string_view v) {
+                 o.max_message = p.bytes("--max-message", v, 1, 1ull << 30);
+                 max_set = true;
+               }},
+          });
+  if (!o.port_set) p.fail_with_usage("--port is required");
+  if (o.transport != cli::transport::socket && o.threads > 1)
+    p.fail("--threads " + std::to_string(o.threads) + " needs --transport tcp: over " + cli::to_string(o.transport) +
+           " a listener and its connections belong to one thread");
+  if (o.transport == cli::transport::socket && max_set)
+    p.fail("--max-message applies to --transport rdma and tcp-provider (a TCP stream has no messages)");
   return o;
 }
 
-int run_server(const options& opts) {
+int run_socket_server(const options& opts) {
   const bool v6 = opts.bind.find(':') != std::string::npos;
   auto make_endpoint = [&](unsigned p) {
     return shuttle::endpoint::parse((v6 ? "[" + opts.bind + "]" : opts.bind) + ":" + std::to_string(p));
@@ -342,7 +363,7 @@ int run_server(const options& opts) {
   };
   for (std::size_t i = 0; i < opts.threads; ++i) {
     auto ep = make_endpoint(port);
-    auto listener = rt.block_on(i, bind_here(*ep));
+    auto listener = rt.block_on(i, bind_socket(*ep));
     if (!listener) {
       std::fprintf(stderr, "%s: cannot listen on %s (thread %zu): %s\n", kProg, ep->to_string().c_str(), i,
                    listener.error().message().c_str());
@@ -385,12 +406,109 @@ int run_server(const options& opts) {
   return clean ? 0 : 1;
 }
 
+// ---------------------------------------------------------------- transport API
+
+// The domain and the listener, opened on the thread that will own them.
+struct transport_server {
+  std::optional<shuttle::domain> domain;
+  shuttle::listener listener;
+  std::string step;  // what failed, for the message
+};
+
+task<shuttle::result<void>> open_transport(transport_server& srv, const options& opts, shuttle::endpoint ep) {
+  shuttle::domain_options dopts;
+  dopts.kind = cli::kind_of(opts.transport);
+  auto d = shuttle::domain::open(dopts);
+  if (!d) {
+    srv.step = std::string("cannot open a ") + cli::to_string(opts.transport) + " domain";
+    if (d.error() == shuttle::errc::not_supported && opts.transport == cli::transport::rdma)
+      srv.step += " (no active RDMA device, or shuttle was built without rdma-core)";
+    co_return d.error();
+  }
+  srv.domain.emplace(std::move(*d));
+  shuttle::connection_options copts;
+  copts.receive_buffers = receive_buffers_for(opts.max_message);
+  copts.receive_buffer_size = opts.max_message;
+  auto l = srv.domain->listen(ep, copts);
+  if (!l) {
+    srv.step = "cannot listen on " + ep.to_string() + " over " + srv.domain->describe();
+    srv.domain.reset();
+    co_return l.error();
+  }
+  srv.listener = std::move(*l);
+  co_return shuttle::result<void>{};
+}
+
+// serve(), then the domain goes on its own thread once the provider wound
+// down.
+task<void> serve_transport(transport_server& srv, thread_stats& stats) {
+  co_await serve(0, std::move(srv.listener), stats);
+  // In a scope of its own: the pause runs even though this task was stopped.
+  shuttle::async_scope pause;
+  pause.spawn([]() -> task<void> { (void)co_await shuttle::sleep_for(std::chrono::milliseconds(5)); }());
+  co_await pause.join();
+  srv.domain.reset();
+}
+
+task<void> close_transport(transport_server& srv) {
+  srv.listener = shuttle::listener{};
+  srv.domain.reset();
+  co_return;
+}
+
+int run_transport_server(const options& opts) {
+  const bool v6 = opts.bind.find(':') != std::string::npos;
+  auto ep = shuttle::endpoint::parse((v6 ? "[" + opts.bind + "]" : opts.bind) + ":" + std::to_string(opts.port));
+  if (!ep) {
+    std::fprintf(stderr, "%s: bad --bind address '%s' (numeric IPv4 or IPv6)\n", kProg, opts.bind.c_str());
+    return 2;
+  }
+  shuttle::block_signals({SIGINT, SIGTERM, SIGPIPE});
+  shuttle::io_context main_ctx;
+  shuttle::signal_set signals{SIGINT, SIGTERM};
+
+  thread_stats stats;
+  transport_server srv;
+  shuttle::runtime rt(1);
+  if (auto r = rt.block_on(0, open_transport(srv, opts, *ep)); !r) {
+    std::fprintf(stderr, "%s: %s: %s\n", kProg, srv.step.c_str(), r.error().message().c_str());
+    rt.block_on(0, close_transport(srv));
+    rt.join();
+    return 1;
+  }
+  const unsigned port = srv.listener.local_endpoint().port();
+  const std::string provider = srv.domain->describe();
+  std::promise<void> done;
+  auto served = done.get_future();
+  rt.spawn(0, fulfil(serve_transport(srv, stats), std::move(done)));
+
+  std::printf("%s listening on port %u with 1 threads over %s\n", kProg, port, provider.c_str());
+  std::fflush(stdout);
+
+  int sig = main_ctx.run(wait_for_signal(signals));
+  if (sig > 0) std::fprintf(stderr, "%s: %s, shutting down\n", kProg, strsignal(sig));
+
+  rt.request_stop();
+  bool clean = true;
+  try {
+    served.get();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: the server thread failed: %s\n", kProg, e.what());
+    clean = false;
+  }
+  rt.join();
+  std::printf("%s: served %llu connections, echoed %llu bytes\n", kProg,
+              static_cast<unsigned long long>(stats.connections), static_cast<unsigned long long>(stats.bytes));
+  std::fflush(stdout);
+  return clean ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   options opts = parse_options(argc, argv);
   try {
-    return run_server(opts);
+    return opts.transport == cli::transport::socket ? run_socket_server(opts) : run_transport_server(opts);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", kProg, e.what());
     return 1;

@@ -2,8 +2,11 @@
 # The demo command: installs what is missing, builds, then runs
 #  1. the echo server and its load client over TCP (1, 64 and 1024 connections);
 #  2. the echo server checked by an ordinary TCP client (python3 socket);
-#  3. an RDMA-style transfer pipeline over the transport API (the tcp
-#     provider on a machine without an RDMA device), when it is built.
+#  3. a short echo over the transport API (--transport tcp-provider:
+#     shuttle's RDMA semantics over TCP);
+#  4. the RDMA-style transfer pipeline over the transport API
+#     (shuttle-transfer, over the tcp provider so that it runs anywhere;
+#     `--transport rdma --addr ADDR` runs it on an RDMA NIC).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install-deps.sh
@@ -45,8 +48,18 @@ PY
 kill -INT "$server_pid"; wait "$server_pid"; server_pid=
 cat "$log" | tail -n 2
 
-if [ -x build-demo/examples/shuttle-transfer ]; then
-  echo "== transfer pipeline over the transport API"
-  ./build-demo/examples/shuttle-transfer
-fi
+echo "== echo over the transport API (--transport tcp-provider)"
+./build-demo/examples/shuttle-echo-server --port 0 --transport tcp-provider >"$log" 2>&1 &
+server_pid=$!
+for _ in $(seq 100); do grep -q "listening on port" "$log" && break; sleep 0.05; done
+port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log")
+[ -n "$port" ] || { cat "$log"; echo "transport echo server did not start"; exit 1; }
+head -n 1 "$log"
+./build-demo/examples/shuttle-echo-client --host 127.0.0.1 --port "$port" --transport tcp-provider \
+  --connections 4 --size 1000 --duration 1 --threads 2
+kill -INT "$server_pid"; wait "$server_pid"; server_pid=
+tail -n 1 "$log"
+
+echo "== transfer pipeline over the transport API"
+./build-demo/examples/shuttle-transfer --transport tcp-provider --chunks 512 --chunk-size 1m --slots 8
 echo "demo: done"
