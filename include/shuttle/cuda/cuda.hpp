@@ -1,0 +1,336 @@
+// The CUDA layer: RAII device memory, pinned host memory, streams and events,
+// and awaitables that let a coroutine wait for GPU work inside the io_context
+// without blocking the loop and without a thread per wait:
+//
+//   co_await cuda::wait(ev);      // result<void>: the event completed
+//   co_await cuda::wait(stream);  // records an event on the stream, awaits it
+//
+// How a wait is noticed, chosen by measurement on an H200
+// (bench/gpu/wait_bench.cpp; launch-to-wake of a spin kernel vs a spinning
+// cudaEventSynchronize in the same run): cudaEventQuery polled by the loop
+// matched cudaEventSynchronize (ratio 0.89-1.01 at 0 us to 2 ms kernels,
+// 100% of a CPU); a cuStreamWriteValue32 flag polled by the loop was as fast
+// (0.84-1.00) but needs a stream operation per wait and an event besides for
+// errors; cudaLaunchHostFunc writing an eventfd cost 30-160 us more per wake
+// (ratio 4.5 at 0 us, 1.07 at 2 ms) at 4-58% CPU. So the default, hybrid:
+// the thread's wait poller (a shuttle::poller) queries each pending event
+// with cudaEventQuery on every turn of the loop while the wait is younger
+// than `spin` (200 us); past that it arms a host function on an auxiliary
+// stream (cudaStreamWaitEvent + cudaLaunchHostFunc) that writes an eventfd
+// the loop watches, and the loop sleeps in io_uring. Measured: ratio <= 1.03
+// up to 200 us kernels, 1.06-1.08 at 2 ms with 14% CPU instead of 100%.
+// The host function only writes the eventfd: it never calls CUDA and never
+// blocks CUDA's callback thread, and it is not placed in the user's stream,
+// so it never delays the user's later work.
+//
+// A completion made visible to a stream: cuda::stream_flag is a word in
+// mapped pinned memory; flag.enqueue_wait(stream, v) makes the stream wait
+// (cuStreamWaitValue32, GEQ) until the loop calls flag.set(v), so a consumer
+// kernel can be enqueued before its data has arrived.
+//
+// Everything here is loop-thread code except where noted; CUDA calls use the
+// device current on the calling thread.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <system_error>
+#include <utility>
+
+#include <shuttle/detail/io_op.hpp>
+#include <shuttle/result.hpp>
+#include <shuttle/task.hpp>
+
+namespace shuttle {
+class io_context;
+}
+
+namespace shuttle::cuda {
+
+// ------------------------------------------------------------------ errors
+
+// The 'cuda' category: values are cudaError_t, messages cudaGetErrorString.
+const std::error_category& category() noexcept;
+inline std::error_code make_error_code(cudaError_t e) noexcept { return {static_cast<int>(e), category()}; }
+// The 'cuda-driver' category: values are CUresult.
+const std::error_category& driver_category() noexcept;
+// Throws std::system_error (category()) when e != cudaSuccess.
+void check(cudaError_t e, const char* what);
+
+// Devices the runtime can use: 0 without a driver or a GPU (never throws).
+int device_count() noexcept;
+// A one-line description of device `dev` ("NVIDIA H200, sm_90, 139.8 GiB, PCI 0000:1a:00.0").
+std::string describe_device(int dev);
+
+// ------------------------------------------------------------------ memory
+
+// Device memory (cudaMalloc on the current device).
+class device_buffer {
+ public:
+  device_buffer() noexcept = default;
+  explicit device_buffer(std::size_t bytes);  // throws std::system_error
+  ~device_buffer() { reset(); }
+  device_buffer(device_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  device_buffer& operator=(device_buffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      p_ = std::exchange(o.p_, nullptr);
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  std::byte* data() const noexcept { return p_; }
+  std::size_t size() const noexcept { return n_; }
+  template <class T>
+  T* as() const noexcept {
+    return reinterpret_cast<T*>(p_);
+  }
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+  void reset() noexcept;
+
+ private:
+  std::byte* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+// Page-locked host memory, portable and mapped into the device address space
+// (cudaHostAlloc(Portable | Mapped)): DMA source and target at full speed,
+// and what the staged path hands the transport.
+class pinned_buffer {
+ public:
+  pinned_buffer() noexcept = default;
+  explicit pinned_buffer(std::size_t bytes);  // throws std::system_error
+  ~pinned_buffer() { reset(); }
+  pinned_buffer(pinned_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  pinned_buffer& operator=(pinned_buffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      p_ = std::exchange(o.p_, nullptr);
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  std::byte* data() const noexcept { return p_; }
+  std::size_t size() const noexcept { return n_; }
+  std::span<std::byte> span() const noexcept { return {p_, n_}; }
+  // The device-side address of this memory (cudaHostGetDevicePointer).
+  void* device_pointer() const;
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+  void reset() noexcept;
+
+ private:
+  std::byte* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+// ------------------------------------------------------------------ streams and events
+
+class stream {
+ public:
+  // A non-blocking stream (no implicit synchronisation with stream 0).
+  stream();  // throws
+  explicit stream(int priority);
+  ~stream() { reset(); }
+  stream(stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  stream& operator=(stream&& o) noexcept {
+    if (this != &o) {
+      reset();
+      s_ = std::exchange(o.s_, nullptr);
+    }
+    return *this;
+  }
+  cudaStream_t get() const noexcept { return s_; }
+  operator cudaStream_t() const noexcept { return s_; }  // NOLINT: a handle
+  void synchronize() const;                              // blocking; for set-up and tests
+  void reset() noexcept;
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+class event {
+ public:
+  // cudaEventDisableTiming unless `timing`.
+  explicit event(bool timing = false);  // throws
+  ~event() { reset(); }
+  event(event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  event& operator=(event&& o) noexcept {
+    if (this != &o) {
+      reset();
+      e_ = std::exchange(o.e_, nullptr);
+    }
+    return *this;
+  }
+  cudaEvent_t get() const noexcept { return e_; }
+  operator cudaEvent_t() const noexcept { return e_; }  // NOLINT: a handle
+  void record(cudaStream_t s) const;
+  bool query() const;  // true once complete; throws on an error
+  void reset() noexcept;
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+// ------------------------------------------------------------------ awaiting
+
+// How the thread's wait poller notices completions.
+enum class wait_mechanism {
+  hybrid,       // cudaEventQuery while the wait is younger than `spin`, then a host function + eventfd
+  event_query,  // cudaEventQuery on every loop turn, never sleeps while a wait is pending
+  host_func,    // host function + eventfd at once (the loop sleeps)
+};
+const char* to_string(wait_mechanism m) noexcept;
+
+struct wait_options {
+  wait_mechanism mechanism = wait_mechanism::hybrid;
+  std::chrono::nanoseconds spin = std::chrono::microseconds(200);
+};
+// Per thread; applies to waits that start afterwards.
+void set_wait_options(const wait_options& o) noexcept;
+wait_options get_wait_options() noexcept;
+
+struct wait_stats {
+  std::uint64_t waits = 0;      // awaits that suspended
+  std::uint64_t immediate = 0;  // awaits whose event was already complete
+  std::uint64_t queries = 0;    // cudaEventQuery calls by the poller
+  std::uint64_t host_funcs = 0; // host functions armed (long waits)
+  std::uint64_t wakeups = 0;    // eventfd wake-ups of the loop
+  std::uint64_t cancelled = 0;
+};
+wait_stats get_wait_stats() noexcept;  // this thread's
+void reset_wait_stats() noexcept;
+
+namespace detail {
+class wait_poller;
+struct wait_node : shuttle::detail::remote_op {
+  struct cancel_callback {
+    wait_node* self;
+    void operator()() const noexcept;
+  };
+  cudaEvent_t ev = nullptr;
+  std::coroutine_handle<> waiter{};
+  wait_poller* poller = nullptr;  // non-null while queued
+  wait_node* prev = nullptr;
+  wait_node* next = nullptr;
+  wait_node* ready_next = nullptr;
+  shuttle::io_context* ctx = nullptr;
+  std::optional<std::stop_callback<cancel_callback>> stop_cb;
+  std::atomic<int> refs{0};
+  std::chrono::steady_clock::time_point since{};
+  cudaStream_t aux = nullptr;  // the auxiliary stream of an armed host function
+  cudaError_t status = cudaSuccess;
+  bool cancelled = false;
+};
+// Queues `n` on the calling thread's poller; false when finished without
+// suspending (already complete, failed or cancelled).
+bool park(wait_node& n, std::coroutine_handle<> h, std::stop_token token);
+void note_immediate() noexcept;
+cudaEvent_t pooled_event();
+void return_pooled_event(cudaEvent_t e) noexcept;
+}  // namespace detail
+
+// co_await: result<void>; a failed event yields its cudaError_t, a stop
+// request std::errc::operation_canceled (the GPU work itself goes on).
+class event_awaiter {
+ public:
+  explicit event_awaiter(cudaEvent_t e) noexcept { node_.ev = e; }
+  event_awaiter(const event_awaiter&) = delete;
+  event_awaiter& operator=(const event_awaiter&) = delete;
+  event_awaiter(event_awaiter&& o) noexcept { node_.ev = o.node_.ev; }
+
+  bool await_ready() noexcept {
+    node_.status = cudaEventQuery(node_.ev);
+    if (node_.status == cudaErrorNotReady) return false;
+    detail::note_immediate();
+    return true;
+  }
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    return detail::park(node_, h, shuttle::detail::stop_token_of(h));
+  }
+  result<void> await_resume() const noexcept {
+    if (node_.cancelled) return std::make_error_code(std::errc::operation_canceled);
+    if (node_.status != cudaSuccess) return make_error_code(node_.status);
+    return {};
+  }
+
+ protected:
+  detail::wait_node node_;
+};
+
+// Records a pooled event on the stream when constructed, awaits it.
+class stream_awaiter : public event_awaiter {
+ public:
+  explicit stream_awaiter(cudaStream_t s) : event_awaiter(detail::pooled_event()) {
+    record_status_ = cudaEventRecord(node_.ev, s);
+  }
+  stream_awaiter(stream_awaiter&& o) noexcept : event_awaiter(std::move(o)), record_status_(o.record_status_) {
+    o.node_.ev = nullptr;
+  }
+  ~stream_awaiter() {
+    if (node_.ev) detail::return_pooled_event(node_.ev);
+  }
+  bool await_ready() noexcept {
+    if (record_status_ != cudaSuccess) {
+      node_.status = record_status_;
+      return true;
+    }
+    return event_awaiter::await_ready();
+  }
+
+ private:
+  cudaError_t record_status_ = cudaSuccess;
+};
+
+inline event_awaiter wait(cudaEvent_t e) noexcept { return event_awaiter{e}; }
+inline stream_awaiter wait(cudaStream_t s) { return stream_awaiter{s}; }
+inline event_awaiter wait(const event& e) noexcept { return event_awaiter{e.get()}; }
+inline stream_awaiter wait(const stream& s) { return stream_awaiter{s.get()}; }
+
+// ------------------------------------------------------------------ stream-visible flags
+
+// A 32-bit word in mapped pinned host memory through which the loop orders
+// GPU work: enqueue_wait(s, v) makes stream `s` wait until the word is >= v
+// (cuStreamWaitValue32 GEQ, wrap-aware for monotonically increasing values
+// below 2^31 apart), set(v) is the host's release store. write_from(s, v)
+// enqueues a cuStreamWriteValue32 of v (the stream tells the host).
+class stream_flag {
+ public:
+  stream_flag();  // throws
+  ~stream_flag();
+  stream_flag(const stream_flag&) = delete;
+  stream_flag& operator=(const stream_flag&) = delete;
+
+  // flush_remote_writes: add CU_STREAM_WAIT_VALUE_FLUSH where the device
+  // supports it, so that GPUDirect RDMA writes that arrived before the flag
+  // are visible to the work after the wait (needed only where the device's
+  // GPU_DIRECT_RDMA_WRITES_ORDERING is below OWNER; see gpu_memory.hpp).
+  result<void> enqueue_wait(cudaStream_t s, std::uint32_t value, bool flush_remote_writes = false) const;
+  result<void> write_from(cudaStream_t s, std::uint32_t value) const;
+  void set(std::uint32_t v) noexcept { std::atomic_ref<std::uint32_t>(*word_).store(v, std::memory_order_release); }
+  std::uint32_t load() const noexcept { return std::atomic_ref<std::uint32_t>(*word_).load(std::memory_order_acquire); }
+
+ private:
+  std::uint32_t* word_ = nullptr;
+  unsigned long long dev_ = 0;
+};
+
+// Driver-API capabilities used by the layer, found at run time.
+struct driver_features {
+  bool stream_mem_ops = false;       // cuStreamWaitValue32 / cuStreamWriteValue32
+  bool flush_remote_writes = false;  // CU_STREAM_WAIT_VALUE_FLUSH
+  bool dmabuf_export = false;        // cuMemGetHandleForAddressRange (entry point and device attribute)
+  int driver_version = 0;            // cudaDriverGetVersion
+};
+driver_features features(int device = -1);  // -1: the current device
+
+}  // namespace shuttle::cuda
