@@ -129,7 +129,7 @@ TEST_CASE("stream_flag: a consumer enqueued before its data waits for the loop")
   done.record(s);
   bool ran_early = true;
   auto r = ctx.run([&]() -> task<result<void>> {
-    co_await sleep_for(20ms);
+    (void)co_await sleep_for(20ms);
     ran_early = done.query();
     flag.set(1);  // the "data arrived" completion, written by the loop
     co_return co_await cuda::wait(done);
