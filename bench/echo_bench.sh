@@ -6,12 +6,14 @@
 # 1024 connections). Server and client share this machine's cores, so the
 # ratios matter, not the absolute numbers.
 #
-# Usage: bench/echo_bench.sh [BUILD_DIR] [DURATION_S] [SERVER_THREADS] [CLIENT_THREADS]
+# Usage: bench/echo_bench.sh [BUILD_DIR] [DURATION_S] [SERVER_THREADS] [CLIENT_THREADS] [SHUTTLE_SERVER_ARGS]
+# e.g. SHUTTLE_SERVER_ARGS="--recv-ring 1024" for kernel-provided receive buffers.
 set -euo pipefail
 build=${1:-build-bench}
 duration=${2:-3}
 sthreads=${3:-1}
 cthreads=${4:-1}
+shuttle_args=${5:-}
 cd "$(dirname "$0")/.."
 if [ ! -d "$build" ]; then meson setup "$build" --buildtype=release >/dev/null; fi
 ninja -C "$build" examples/shuttle-echo-server examples/shuttle-echo-client bench/asio_echo_server >/dev/null
@@ -38,7 +40,8 @@ printf "%-6s %-6s %14s %10s %14s %10s %8s\n" conns size shuttle_req/s p99_us asi
 for size in 64 4096; do
   for conns in 1 64 1024; do
     # Alternate the order so neither server always runs on a warmer machine.
-    start_server "$build/examples/shuttle-echo-server"; read -r s_rps s_p99 < <(measure $conns $size); stop_server
+    # shellcheck disable=SC2086
+    start_server "$build/examples/shuttle-echo-server" $shuttle_args; read -r s_rps s_p99 < <(measure $conns $size); stop_server
     start_server "$build/bench/asio_echo_server"; read -r a_rps a_p99 < <(measure $conns $size); stop_server
     ratio=$(python3 -c "print('%.3f' % ($s_rps / $a_rps))")
     printf "%-6s %-6s %14s %10s %14s %10s %8s\n" "$conns" "$size" "$s_rps" "$s_p99" "$a_rps" "$a_p99" "$ratio"

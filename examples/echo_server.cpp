@@ -153,18 +153,39 @@ bool is_transient(const std::error_code& ec) {
 
 // ---------------------------------------------------------------- serving
 
-task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats) {
+// Sends all of `data`: one send usually does, and needs no coroutine frame;
+// write_all takes over after a short one.
+task<shuttle::result<void>> write_rest(shuttle::tcp_socket& sock, std::span<const std::byte> data, std::size_t sent) {
+  co_return co_await sock.write_all(data.subspan(sent));
+}
+
+task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats, shuttle::buffer_ring* ring) {
   try {
     (void)sock.set_nodelay(true);  // best effort
-    std::unique_ptr<std::byte[]> buf(new std::byte[kBufferSize]);
-    const std::span<std::byte> whole(buf.get(), kBufferSize);
+    std::unique_ptr<std::byte[]> own;
+    std::optional<shuttle::receive_stream> rx;
+    if (ring)
+      rx.emplace(sock, *ring);  // kernel-provided buffers: one multishot recv for the connection's life
+    else
+      own.reset(new std::byte[kBufferSize]);
     for (;;) {
-      auto n = co_await sock.read_some(whole);
       // EOF, reset, cancellation (shutdown), anything else: close this connection.
-      if (!n || *n == 0) break;
-      auto w = co_await sock.write_all(std::span<const std::byte>(buf.get(), *n));
-      if (!w) break;
-      stats.bytes += *n;
+      shuttle::provided_buffer held;
+      std::span<const std::byte> data;
+      if (rx) {
+        auto b = co_await rx->next();
+        if (!b || b->empty()) break;
+        held = std::move(*b);
+        data = held.data();
+      } else {
+        auto n = co_await sock.read_some(std::span(own.get(), kBufferSize));
+        if (!n || *n == 0) break;
+        data = std::span<const std::byte>(own.get(), *n);
+      }
+      auto n = co_await sock.write_some(data);
+      if (!n) break;
+      if (*n < data.size() && !co_await write_rest(sock, data, *n)) break;
+      stats.bytes += data.size();
     }
   } catch (...) {
     // Out of memory or SQEs: drop this connection, keep the server.
@@ -195,7 +216,10 @@ task<void> echo(std::size_t index, shuttle::connection conn, thread_stats& stats
 // Accepts on `listener` (a tcp_listener or a transport listener) until
 // stopped; one echo coroutine per connection.
 template <class Listener>
-task<void> serve(std::size_t index, Listener listener, thread_stats& stats) {
+task<void> serve(std::size_t index, Listener listener, thread_stats& stats, std::size_t recv_ring = 0) {
+  // One buffer ring per thread, shared by its connections (--recv-ring).
+  std::optional<shuttle::buffer_ring> ring;
+  if (recv_ring) ring.emplace(shuttle::io_context::current(), static_cast<unsigned>(recv_ring), kBufferSize);
   shuttle::async_scope connections;
   auto backoff = std::chrono::duration_cast<std::chrono::milliseconds>(kMinBackoff);
   const std::stop_token stop = co_await shuttle::get_stop_token();
@@ -206,7 +230,10 @@ task<void> serve(std::size_t index, Listener listener, thread_stats& stats) {
       if (r) {
         backoff = kMinBackoff;
         ++stats.connections;
-        connections.spawn(echo(index, std::move(*r), stats));
+        if constexpr (std::is_same_v<Listener, shuttle::tcp_listener>)
+          connections.spawn(echo(index, std::move(*r), stats, ring ? &*ring : nullptr));
+        else
+          connections.spawn(echo(index, std::move(*r), stats));
         continue;
       }
       ec = r.error();
@@ -275,18 +302,21 @@ struct options {
   cli::transport transport = cli::transport::socket;
   std::string bind = "0.0.0.0";
   std::size_t max_message = 65536;
+  std::size_t recv_ring = 0;
 };
 
 const char* const kUsage =
     "usage: shuttle-echo-server --port P [--threads N] [--transport T] [--bind ADDR]\n"
-    "                           [--max-message BYTES]\n"
+    "                           [--max-message BYTES] [--recv-ring N]\n"
     "  --port P             port to listen on (0: pick a free one and print it)\n"
     "  --threads N          event-loop threads, one listener each (default 1; tcp only)\n"
     "  --transport T        tcp (sockets, default), rdma (verbs provider, rdma_cm) or\n"
     "                       tcp-provider (RDMA semantics over TCP): the last two use the transport API\n"
     "  --bind ADDR          numeric address to bind (default 0.0.0.0; '::' for IPv6)\n"
     "  --max-message BYTES  rdma, tcp-provider: largest message accepted (default 65536;\n"
-    "                       suffixes k, m, g)\n";
+    "                       suffixes k, m, g)\n"
+    "  --recv-ring N        tcp: receive through a ring of N kernel-provided buffers per thread\n"
+    "                       (multishot recv; N a power of two; default 0: a buffer per connection)\n";
 
 options parse_options(int argc, char** argv) {
   options o;
@@ -306,6 +336,11 @@ options parse_options(int argc, char** argv) {
                      "--transport", v, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider});
                }},
               {"--bind", [&](std::string_view v) { o.bind = std::string(v); }},
+              {"--recv-ring",
+               [&](std::string_view v) {
+                 o.recv_ring = p.count("--recv-ring", v, 0, 32768);
+                 if (o.recv_ring & (o.recv_ring - 1)) p.fail("--recv-ring must be a power of two");
+               }},
               {"--max-message",
                [&](std::string_view v) {
                  o.max_message = p.bytes("--max-message", v, 1, 1ull << 30);
@@ -381,7 +416,7 @@ int run_socket_server(const options& opts) {
     }
     std::promise<void> done;
     served.push_back(done.get_future());
-    rt.spawn(i, fulfil(serve(i, std::move(*listener), stats[i]), std::move(done)));
+    rt.spawn(i, fulfil(serve(i, std::move(*listener), stats[i], opts.recv_ring), std::move(done)));
   }
 
   std::printf("%s listening on port %u with %zu threads\n", kProg, port, opts.threads);
