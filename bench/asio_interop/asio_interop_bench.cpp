@@ -1,0 +1,264 @@
+// asio_interop_bench: what an Asio completion token costs on a shuttle
+// operation, against the native co_await form, measured in the same run; and
+// the stream_pipeline's throughput against its slowest stage alone.
+//
+//   asio_interop_bench [round_trips] [pipeline_records]
+//
+// Operations (one thread, loopback):
+//   ring op   : a zero-byte send on a TCP socket: one io_uring round trip
+//               that does no work, the cheapest shuttle operation (worst
+//               case for the ratio);
+//   tcp pp    : 64-byte ping-pong on a TCP pair (write_some + read_some on the
+//               measured side; the peer echoes natively).
+// Forms: native co_await in a shuttle task; use_awaitable in an Asio
+// coroutine on shuttle's executor (shuttle::asio::context); use_awaitable on
+// an asio::io_context driven by the loop (asio_driver); a plain callback chain.
+#define STREAM_PIPELINE_NO_MAIN
+#if defined(__GNUC__) && !defined(__clang__)
+#  pragma GCC diagnostic ignored "-Wsubobject-linkage"
+#endif
+#include "../../examples/stream_pipeline.cpp"
+
+#include <cstdlib>
+#include <functional>
+
+namespace {
+using namespace stream_pipeline;
+using bclock = std::chrono::steady_clock;
+
+struct socket_pair {
+  shuttle::tcp_socket client, server;
+};
+task<socket_pair> connected_pair() {
+  auto l = shuttle::tcp_listener::bind(shuttle::endpoint::loopback(0)).value();
+  auto ep = l.local_endpoint().value();
+  auto accept = [](shuttle::tcp_listener& l) -> task<result<shuttle::tcp_socket>> { co_return co_await l.accept(); };
+  auto [c, s] = co_await shuttle::when_all(shuttle::tcp_socket::connect(ep), accept(l));
+  c->set_nodelay(true).value();
+  s->set_nodelay(true).value();
+  co_return socket_pair{std::move(c).value(), std::move(s).value()};
+}
+
+task<void> echo(shuttle::tcp_socket& s) {
+  std::byte buf[64];
+  for (;;) {
+    auto n = co_await s.read_some(buf);
+    if (!n || *n == 0) co_return;
+    if (!co_await s.write_all(std::span(buf, *n))) co_return;
+  }
+}
+
+constexpr std::size_t msg = 64;
+
+// ---- ring op
+shuttle::tcp_socket* ring_sock = nullptr;
+task<void> ring_native(long n) {
+  for (long i = 0; i < n; ++i) (void)co_await ring_sock->write_some({});
+}
+net::awaitable<void> ring_awaitable(long n) {
+  for (long i = 0; i < n; ++i) co_await sa::async_write_some(*ring_sock, {}, net::use_awaitable);
+}
+struct ring_cb {
+  long left;
+  shuttle::event* done;
+  void operator()(boost::system::error_code, std::size_t) {
+    if (--left == 0) {
+      done->set();
+      return;
+    }
+    sa::async_write_some(*ring_sock, {}, std::move(*this));
+  }
+};
+
+// ---- tcp ping-pong
+task<void> tcp_native(shuttle::tcp_socket& s, long n) {
+  std::byte out[msg]{}, in[msg];
+  for (long i = 0; i < n; ++i) {
+    (void)co_await s.write_some(out);
+    std::size_t got = 0;
+    while (got < msg) got += (co_await s.read_some(std::span(in + got, msg - got))).value();
+  }
+}
+net::awaitable<void> tcp_awaitable(shuttle::tcp_socket& s, long n) {
+  std::byte out[msg]{}, in[msg];
+  for (long i = 0; i < n; ++i) {
+    co_await sa::async_write_some(s, out, net::use_awaitable);
+    std::size_t got = 0;
+    while (got < msg) got += co_await sa::async_read_some(s, std::span(in + got, msg - got), net::use_awaitable);
+  }
+}
+struct tcp_cb {
+  shuttle::tcp_socket* s;
+  long left;
+  shuttle::event* done;
+  std::byte* out;
+  std::byte* in;
+  std::size_t got = 0;
+  bool writing = true;
+  void start() {
+    writing = true;
+    sa::async_write_some(*s, std::span<const std::byte>(out, msg), std::move(*this));
+  }
+  void operator()(boost::system::error_code ec, std::size_t n) {
+    if (ec) {
+      done->set();
+      return;
+    }
+    if (writing) {
+      writing = false;
+      got = 0;
+    } else {
+      got += n;
+      if (got == msg) {
+        if (--left == 0) {
+          done->set();
+          return;
+        }
+        start();
+        return;
+      }
+    }
+    sa::async_read_some(*s, std::span<std::byte>(in + got, msg - got), std::move(*this));
+  }
+};
+
+double per_op_ns(bclock::duration d, long n) { return std::chrono::duration<double, std::nano>(d).count() / double(n); }
+
+// Runs the loop until `done` is set (the loop sleeps in the ring meanwhile).
+void wait_event(shuttle::io_context& loop, shuttle::event& done) {
+  (void)loop.run(done.wait());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  long n = argc > 1 ? std::atol(argv[1]) : 100000;
+  std::uint64_t precs = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 400000;
+  const int reps = 5;
+  {
+    shuttle::io_context loop;
+    sa::context sctx(loop);
+    net::io_context actx(1);
+    sa::asio_driver driver(loop, actx);
+
+    // One run of each form: returns ns per operation.
+    auto run_native = [&](auto make) {
+      auto t = bclock::now();
+      loop.run(make());
+      return per_op_ns(bclock::now() - t, n);
+    };
+    auto run_aw = [&](auto ex, auto make) {
+      shuttle::event done;
+      auto t = bclock::now();
+      net::co_spawn(ex, make(), [&](std::exception_ptr) { done.set(); });
+      wait_event(loop, done);
+      return per_op_ns(bclock::now() - t, n);
+    };
+    auto p = loop.run(connected_pair());
+    ring_sock = &p.client;
+    shuttle::async_scope peer;
+    std::byte out[msg]{}, in[msg];
+    auto ring_callback = [&] {
+      shuttle::event done;
+      auto t = bclock::now();
+      loop.run([&]() -> task<void> {
+        sa::async_write_some(*ring_sock, {}, ring_cb{n, &done});
+        co_return;
+      }());
+      wait_event(loop, done);
+      return per_op_ns(bclock::now() - t, n);
+    };
+    auto tcp_callback = [&] {
+      shuttle::event done;
+      auto t = bclock::now();
+      loop.run([&]() -> task<void> {
+        tcp_cb{&p.client, n, &done, out, in}.start();
+        co_return;
+      }());
+      wait_event(loop, done);
+      return per_op_ns(bclock::now() - t, n);
+    };
+    std::printf("asio_interop_bench: %ld operations per run, forms interleaved, best of %d (Boost.Asio %d)\n", n, reps,
+                BOOST_ASIO_VERSION);
+    // Forms interleaved, best of `reps` each, after one warm-up round.
+    double rn = 1e300, ra = 1e300, rd = 1e300, rc = 1e300;
+    for (int rep = 0; rep <= reps; ++rep) {
+      double a = run_native([&] { return ring_native(n); });
+      double b = run_aw(sctx.get_executor(), [&] { return ring_awaitable(n); });
+      double c = run_aw(actx.get_executor(), [&] { return ring_awaitable(n); });
+      double d = ring_callback();
+      if (rep == 0) continue;
+      rn = std::min(rn, a), ra = std::min(ra, b), rd = std::min(rd, c), rc = std::min(rc, d);
+    }
+    std::printf("  ring op   native %7.0f ns | use_awaitable/shuttle executor %7.0f ns  %.3fx | use_awaitable/driven asio::io_context %7.0f ns  %.3fx | callback %7.0f ns  %.3fx\n",
+                rn, ra, ra / rn, rd, rd / rn, rc, rc / rn);
+
+    loop.run([&]() -> task<void> {
+      peer.spawn(echo(p.server));
+      co_return;
+    }());
+    double tn = 1e300, ta = 1e300, td = 1e300, tc = 1e300;
+    for (int rep = 0; rep <= reps; ++rep) {
+      double a = run_native([&] { return tcp_native(p.client, n); });
+      double b = run_aw(sctx.get_executor(), [&] { return tcp_awaitable(p.client, n); });
+      double c = run_aw(actx.get_executor(), [&] { return tcp_awaitable(p.client, n); });
+      double d = tcp_callback();
+      if (rep == 0) continue;
+      tn = std::min(tn, a), ta = std::min(ta, b), td = std::min(td, c), tc = std::min(tc, d);
+    }
+    std::printf("  tcp pp    native %7.0f ns | use_awaitable/shuttle executor %7.0f ns  %.3fx | use_awaitable/driven asio::io_context %7.0f ns  %.3fx | callback %7.0f ns  %.3fx\n",
+                tn, ta, ta / tn, td, td / tn, tc, tc / tn);
+    std::printf("  target: Asio-token form <= 1.1x native: ring op (shuttle executor) %s, tcp (shuttle executor) %s\n",
+                ra / rn <= 1.1 ? "met" : "NOT met", ta / tn <= 1.1 ? "met" : "NOT met");
+    p.client.close();
+    loop.run(peer.join());
+  }
+
+  // ---- pipeline vs its stages alone
+  auto run_cfg = [](config cfg) {
+    cfg.quiet = true;
+    cfg.install_sigint = false;
+    shuttle::io_context loop;
+    net::io_context actx(1);
+    sa::asio_driver driver(loop, actx);
+    pipeline pl(loop, actx, cfg);
+    return loop.run(pl.run());
+  };
+  config base;
+  base.clients = 8;
+  base.records_per_client = precs / base.clients;
+  base.record_size = 256;
+  base.report_ms = 100000;
+  auto full = run_cfg(base);
+  double full_rate = double(full.confirmed) / full.seconds;
+  config ing = base;
+  ing.only = config::only_stage::ingest;
+  auto ri = run_cfg(ing);
+  double ingest_rate = double(ri.confirmed) / ri.seconds;
+  config netw = base;
+  netw.only = config::only_stage::network;
+  netw.clients = 0;
+  netw.records_per_client = 0;
+  netw.synthetic_records = precs;
+  auto rn = run_cfg(netw);
+  double net_rate = double(rn.confirmed) / rn.seconds;
+  // compute alone: the CPU function over batches in memory
+  double compute_rate;
+  {
+    batch b;
+    for (std::size_t i = 0; i < base.batch; ++i) b.recs.push_back(record{i, 0, {}, std::vector<std::byte>(base.record_size)});
+    auto t = bclock::now();
+    std::uint64_t done = 0;
+    while (done < precs) {
+      process(b);
+      done += b.recs.size();
+    }
+    compute_rate = double(done) / std::chrono::duration<double>(bclock::now() - t).count();
+  }
+  double slowest = std::min({ingest_rate, compute_rate, net_rate});
+  std::printf("pipeline (%llu records of %u B, %u clients): %.0f rec/s %s | alone: ingest %.0f, compute %.0f, network+sink %.0f rec/s"
+              " | pipeline / slowest stage = %.2f\n",
+              (unsigned long long)full.in, base.record_size, base.clients, full_rate, full.ok() ? "(out == in)" : "(MISMATCH)",
+              ingest_rate, compute_rate, net_rate, full_rate / slowest);
+  return full.ok() ? 0 : 1;
+}

@@ -1,0 +1,617 @@
+// stream_pipeline: Asio TCP ingest -> batch compute -> RDMA-style shipping to
+// a sink over shuttle's transport API, on one thread and one loop.
+//
+//   clients --framed records--> [ingest: asio::ip::tcp, awaitables]
+//        --channel<record>--> [compute: batches, CPU function (CUDA later)]
+//        --channel<batch>-->  [network: transport write_with_imm into sink slots]
+//        --> sink (verifies every record, acks each slot; slow or dying on request)
+//
+// One shuttle io_context drives an asio::io_context (shuttle::asio::asio_driver):
+// Asio's acceptor and sockets and shuttle's tasks run on the same thread with
+// one place to sleep. Stages are joined by bounded shuttle::channels, so a slow
+// stage back-pressures the one before it, down to the clients' TCP windows.
+// The network stage writes batches into the sink's registered slots with
+// write_with_imm (the immediate names the slot) and may reuse a slot only
+// when the sink acks it.
+//
+// SIGINT (or --duration) drains: ingest stops reading (a record is "in" once
+// the ingest stage has queued it), compute and network finish everything
+// queued, the sink confirms count and checksum, and both are compared with
+// what came in. If the sink dies, the error is reported with the number of
+// records lost (in, but never confirmed by the sink): nothing vanishes silently.
+//
+//   stream_pipeline [--clients N] [--records-per-client M (0: until SIGINT)]
+//                   [--record-size B] [--batch R] [--queue Q] [--slots S]
+//                   [--sink-delay-us U] [--sink-die-after R] [--duration S]
+//                   [--report-ms MS]
+// Exit status: 0 when out == in, 3 when records were lost.
+#include <shuttle/asio/asio.hpp>  // first: configures Asio
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
+
+#include <shuttle/shuttle.hpp>
+#include <shuttle/transport.hpp>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace stream_pipeline {
+
+namespace net = boost::asio;
+namespace sa = shuttle::asio;
+using shuttle::clock;
+using shuttle::result;
+using shuttle::task;
+using namespace std::chrono_literals;
+
+struct config {
+  unsigned clients = 8;
+  std::uint64_t records_per_client = 0;  // 0: until stopped
+  std::uint32_t record_size = 256;
+  std::size_t batch = 64;
+  std::size_t queue = 1024;  // records in the ingest channel; batches: queue / batch
+  std::uint32_t slots = 16;
+  std::uint32_t sink_delay_us = 0;
+  std::uint64_t sink_die_after = 0;  // records; 0: never
+  double duration_s = 0;             // 0: until SIGINT (or all clients done)
+  unsigned report_ms = 1000;
+  bool quiet = false;
+  bool install_sigint = true;
+  // Benchmarks: run one stage alone. ingest: compute only drains the ingest
+  // channel; network: compute feeds synthetic batches (synthetic_records of
+  // them) straight to the network stage, with no clients.
+  enum class only_stage { all, ingest, network } only = only_stage::all;
+  std::uint64_t synthetic_records = 0;
+};
+
+struct report {
+  std::uint64_t sent_by_clients = 0;
+  std::uint64_t in = 0, in_checksum = 0;
+  std::uint64_t confirmed = 0, confirmed_checksum = 0;  // acked slot by slot
+  std::uint64_t sink_count = 0, sink_checksum = 0;      // the sink's own final totals
+  std::uint64_t sink_corrupt = 0;
+  std::uint64_t lost = 0;
+  std::string error;  // first error that cost records
+  double seconds = 0;
+  bool ok() const { return error.empty() && lost == 0 && confirmed == in && sink_count == in && sink_checksum == in_checksum; }
+};
+
+// ---------------------------------------------------------------- records
+
+inline std::uint64_t fnv1a(std::span<const std::byte> d) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (auto b : d) h = (h ^ std::to_integer<std::uint8_t>(b)) * 1099511628211ull;
+  return h;
+}
+// Order-independent sum of per-record digests.
+inline std::uint64_t mix(std::uint64_t id, std::uint64_t digest) {
+  std::uint64_t x = id * 0x9E3779B97F4A7C15ull ^ digest;
+  x ^= x >> 31;
+  return x * 0xBF58476D1CE4E5B9ull;
+}
+
+struct record {
+  std::uint64_t id = 0;
+  std::uint64_t digest = 0;  // of the original payload
+  clock::time_point t_in{};
+  std::vector<std::byte> payload;
+};
+struct batch {
+  std::vector<record> recs;
+};
+
+// The compute stage's function (a CUDA kernel will take its place): digest
+// each record and transform its payload.
+inline void process(batch& b) {
+  for (auto& r : b.recs) {
+    r.digest = fnv1a(r.payload);
+    for (auto& x : r.payload) x ^= std::byte{0x5a};
+  }
+}
+
+inline void put64(std::byte* p, std::uint64_t v) { std::memcpy(p, &v, 8); }
+inline void put32(std::byte* p, std::uint32_t v) { std::memcpy(p, &v, 4); }
+inline std::uint64_t get64(const std::byte* p) { std::uint64_t v; std::memcpy(&v, p, 8); return v; }
+inline std::uint32_t get32(const std::byte* p) { std::uint32_t v; std::memcpy(&v, p, 4); return v; }
+
+// ---------------------------------------------------------------- metrics
+
+struct stage_metrics {
+  const char* name;
+  std::uint64_t total = 0, last_total = 0;
+  std::vector<double> lat_us;  // this period
+  void add(clock::time_point t_in, clock::time_point now) {
+    ++total;
+    lat_us.push_back(std::chrono::duration<double, std::micro>(now - t_in).count());
+  }
+  double p99() {
+    if (lat_us.empty()) return 0;
+    auto k = lat_us.size() * 99 / 100;
+    std::nth_element(lat_us.begin(), lat_us.begin() + k, lat_us.end());
+    return lat_us[k];
+  }
+};
+
+// ---------------------------------------------------------------- the pipeline
+
+class pipeline {
+ public:
+  pipeline(shuttle::io_context&, net::io_context& actx, config cfg)
+      : actx_(actx), cfg_(cfg), ingest_ch_(cfg.queue), batch_ch_(std::max<std::size_t>(1, cfg.queue / cfg.batch)) {}
+
+  task<report> run();
+  void request_stop() { stop_.request_stop(); }
+
+ private:
+  // -------- sink (its own domain; in-process here, any host in production)
+  task<void> sink_main(shuttle::domain& dom, shuttle::listener& l, std::size_t slot_size);
+  task<void> stopper();
+  // -------- stages
+  net::awaitable<void> ingest_session(net::ip::tcp::socket s);
+  net::awaitable<void> acceptor_loop();
+  task<void> ingest_supervisor();
+  task<void> compute_stage();
+  task<void> network_stage(shuttle::connection& conn, shuttle::remote_buffer slots, std::size_t slot_size);
+  task<void> ack_reader(shuttle::connection& conn);
+  task<void> ship(shuttle::connection& conn, std::uint32_t slot, std::size_t n, std::vector<std::pair<std::uint64_t, std::uint64_t>> ids,
+                  shuttle::remote_buffer remote);
+  task<void> reporter();
+  net::awaitable<void> client(unsigned idx, net::ip::tcp::endpoint ep);
+  void fail(const std::string& what) {
+    if (report_.error.empty()) report_.error = what;
+    stop_.request_stop();
+  }
+
+  net::io_context& actx_;
+  config cfg_;
+  report report_;
+  std::stop_source stop_;  // SIGINT / duration / sink death: drain
+  shuttle::channel<record> ingest_ch_;
+  shuttle::channel<batch> batch_ch_;
+  std::optional<net::ip::tcp::acceptor> acceptor_;
+  std::list<net::ip::tcp::socket*> sessions_;
+  unsigned sessions_live_ = 0, clients_live_ = 0;
+  shuttle::event ingest_done_, clients_done_, network_done_;
+  stage_metrics m_ingest_{"ingest", 0, 0, {}}, m_compute_{"compute", 0, 0, {}}, m_network_{"network", 0, 0, {}};
+  // network stage state
+  std::vector<std::vector<std::byte>> local_slots_;
+  shuttle::channel<std::uint32_t>* free_slots_ = nullptr;
+  std::map<std::uint32_t, std::vector<std::pair<std::uint64_t, std::uint64_t>>> in_flight_;  // slot -> (id, digest)
+  std::uint64_t in_flight_records_ = 0;
+  shuttle::event acks_drained_;
+  bool sink_gone_ = false;
+  clock::time_point t0_{};
+};
+
+net::awaitable<void> pipeline::client(unsigned idx, net::ip::tcp::endpoint ep) {
+  net::ip::tcp::socket s(actx_);
+  boost::system::error_code ec;
+  co_await s.async_connect(ep, net::redirect_error(net::use_awaitable, ec));
+  std::vector<std::byte> frame(12 + cfg_.record_size);
+  for (std::uint64_t i = 0; !ec && (cfg_.records_per_client == 0 || i < cfg_.records_per_client); ++i) {
+    std::uint64_t id = (std::uint64_t(idx) << 40) | i;
+    put32(frame.data(), cfg_.record_size);
+    put64(frame.data() + 4, id);
+    for (std::uint32_t k = 0; k < cfg_.record_size; ++k) frame[12 + k] = std::byte(std::uint8_t(id * 31 + k));
+    co_await net::async_write(s, net::buffer(frame), net::redirect_error(net::use_awaitable, ec));
+    if (!ec) ++report_.sent_by_clients;
+  }
+  s.shutdown(net::ip::tcp::socket::shutdown_send, ec);
+  char sink[64];
+  co_await s.async_read_some(net::buffer(sink), net::redirect_error(net::use_awaitable, ec));  // until ingest closes
+  if (--clients_live_ == 0) clients_done_.set();
+}
+
+net::awaitable<void> pipeline::ingest_session(net::ip::tcp::socket s) {
+  sessions_.push_front(&s);
+  auto self = sessions_.begin();
+  boost::system::error_code ec;
+  std::byte hdr[12];
+  while (!stop_.stop_requested()) {
+    co_await net::async_read(s, net::buffer(hdr), net::redirect_error(net::use_awaitable, ec));
+    if (ec) break;
+    record r;
+    r.id = get64(hdr + 4);
+    r.payload.resize(get32(hdr));
+    co_await net::async_read(s, net::buffer(r.payload), net::redirect_error(net::use_awaitable, ec));
+    if (ec) break;  // a partial record never entered the pipeline
+    r.t_in = clock::now();
+    auto t_in = r.t_in;
+    std::uint64_t sum = mix(r.id, fnv1a(r.payload));
+    // Backpressure: a full channel suspends this session, so it stops reading its socket.
+    co_await sa::async_send(ingest_ch_, std::move(r), net::redirect_error(net::use_awaitable, ec));
+    if (ec) break;
+    ++report_.in;
+    report_.in_checksum += sum;
+    m_ingest_.add(t_in, clock::now());  // read -> queued: grows under backpressure
+  }
+  sessions_.erase(self);
+  s.close(ec);
+  if (--sessions_live_ == 0 && !acceptor_) ingest_done_.set();
+}
+
+net::awaitable<void> pipeline::acceptor_loop() {
+  for (;;) {
+    boost::system::error_code ec;
+    auto s = co_await acceptor_->async_accept(net::redirect_error(net::use_awaitable, ec));
+    if (ec) break;
+    ++sessions_live_;
+    net::co_spawn(actx_, ingest_session(std::move(s)), net::detached);
+  }
+}
+
+// Stops ingest on a stop request: no new connections, sessions stop reading
+// (they finish queueing the record they hold), then the channel closes.
+task<void> pipeline::ingest_supervisor() {
+  shuttle::event stopped;
+  std::stop_callback cb(stop_.get_token(), [&] { stopped.set(); });
+  (void)co_await stopped.wait();
+  boost::system::error_code ec;
+  acceptor_->close(ec);
+  acceptor_.reset();
+  for (auto* s : sessions_) s->cancel(ec);
+  if (sessions_live_ != 0) (void)co_await ingest_done_.wait();
+  ingest_ch_.close();
+}
+
+task<void> pipeline::compute_stage() {
+  if (cfg_.only == config::only_stage::ingest) {
+    while (auto r = co_await ingest_ch_.receive()) {
+      ++report_.confirmed;
+      report_.confirmed_checksum += mix(r->id, fnv1a(r->payload));
+      ++report_.sink_count;
+    }
+    report_.sink_checksum = report_.confirmed_checksum;
+    batch_ch_.close();
+    co_return;
+  }
+  if (cfg_.only == config::only_stage::network) {
+    std::uint64_t id = 0;
+    while (id < cfg_.synthetic_records && !stop_.stop_requested()) {
+      batch b;
+      for (std::size_t i = 0; i < cfg_.batch && id < cfg_.synthetic_records; ++i, ++id) {
+        record r;
+        r.id = id;
+        r.payload.assign(cfg_.record_size, std::byte(id));
+        r.t_in = clock::now();
+        r.digest = fnv1a(r.payload);
+        ++report_.in;
+        report_.in_checksum += mix(r.id, r.digest);
+        for (auto& x : r.payload) x ^= std::byte{0x5a};
+        b.recs.push_back(std::move(r));
+      }
+      if (!co_await batch_ch_.send(std::move(b))) break;
+    }
+    batch_ch_.close();
+    stop_.request_stop();
+    co_return;
+  }
+  for (;;) {
+    batch b;
+    auto r = co_await ingest_ch_.receive();
+    if (!r) break;  // closed and drained
+    b.recs.push_back(std::move(*r));
+    while (b.recs.size() < cfg_.batch) {
+      auto more = ingest_ch_.try_receive();
+      if (!more) break;
+      b.recs.push_back(std::move(*more));
+    }
+    process(b);
+    auto now = clock::now();
+    for (auto& rec : b.recs) m_compute_.add(rec.t_in, now);
+    auto sent = co_await batch_ch_.send(std::move(b));
+    if (!sent) break;  // network stage gone: the records are counted as lost by the report
+  }
+  batch_ch_.close();
+}
+
+task<void> pipeline::ship(shuttle::connection& conn, std::uint32_t slot, std::size_t n,
+                          std::vector<std::pair<std::uint64_t, std::uint64_t>> ids, shuttle::remote_buffer remote) {
+  in_flight_[slot] = std::move(ids);
+  auto r = co_await conn.write_with_imm(std::span(local_slots_[slot].data(), n), remote, slot);
+  if (!r) fail("network stage: write_with_imm: " + r.error().message());
+}
+
+task<void> pipeline::ack_reader(shuttle::connection& conn) {
+  for (;;) {
+    auto m = co_await conn.recv();
+    if (!m) {
+      if (!network_done_.is_set()) fail("network stage: sink connection: " + m.error().message());
+      sink_gone_ = true;
+      break;
+    }
+    auto d = m->data();
+    if (d.size() == 24 && get32(d.data()) == 0xFFFFFFFF) {  // the sink's final totals
+      report_.sink_count = get64(d.data() + 8);
+      report_.sink_checksum = get64(d.data() + 16);
+      break;
+    }
+    std::uint32_t slot = get32(d.data());
+    report_.sink_corrupt += get32(d.data() + 4);
+    auto now = clock::now();
+    auto it = in_flight_.find(slot);
+    if (it == in_flight_.end()) continue;
+    for (auto& [id, digest] : it->second) {
+      ++report_.confirmed;
+      report_.confirmed_checksum += mix(id, digest);
+      (void)now;
+    }
+    in_flight_records_ -= it->second.size();
+    in_flight_.erase(it);
+    std::uint32_t s = slot;
+    (void)free_slots_->try_send(s);
+    if (in_flight_.empty()) acks_drained_.set();
+  }
+  acks_drained_.set();
+  if (free_slots_) free_slots_->close();
+}
+
+task<void> pipeline::network_stage(shuttle::connection& conn, shuttle::remote_buffer slots, std::size_t slot_size) {
+  shuttle::channel<std::uint32_t> free_slots(cfg_.slots);
+  free_slots_ = &free_slots;
+  for (std::uint32_t i = 0; i < cfg_.slots; ++i) (void)free_slots.try_send(i);
+  local_slots_.assign(cfg_.slots, std::vector<std::byte>(slot_size));
+  shuttle::async_scope writes;
+  writes.spawn(ack_reader(conn));
+  for (;;) {
+    auto b = co_await batch_ch_.receive();
+    if (!b) break;
+    auto slot = co_await free_slots.receive();  // backpressure from the sink
+    if (!slot) {
+      // The sink is gone: these records are lost, and counted so.
+      fail("network stage: sink stopped acknowledging");
+      continue;  // keep draining so upstream finishes
+    }
+    auto& buf = local_slots_[*slot];
+    std::size_t off = 4;
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> ids;
+    auto now = clock::now();
+    for (auto& r : b->recs) {
+      put64(buf.data() + off, r.id);
+      put64(buf.data() + off + 8, r.digest);
+      put32(buf.data() + off + 16, static_cast<std::uint32_t>(r.payload.size()));
+      std::memcpy(buf.data() + off + 20, r.payload.data(), r.payload.size());
+      off += 20 + r.payload.size();
+      ids.emplace_back(r.id, r.digest);
+      m_network_.add(r.t_in, now);
+    }
+    put32(buf.data(), static_cast<std::uint32_t>(b->recs.size()));
+    in_flight_records_ += ids.size();
+    acks_drained_.reset();
+    writes.spawn(ship(conn, *slot, off, std::move(ids), slots.slice(std::uint64_t(*slot) * slot_size, slot_size).value()));
+  }
+  // Drain: wait for every slot's ack, then exchange totals.
+  if (!in_flight_.empty() && !sink_gone_) (void)co_await shuttle::with_timeout(as_task(acks_drained_.wait()), 10s);
+  network_done_.set();
+  if (!sink_gone_) {
+    std::byte fin[4];
+    put32(fin, 0xFFFFFFFF);
+    (void)co_await conn.send(fin);
+  }
+  co_await writes.join();  // every write completes: success, error or the connection's end
+  free_slots_ = nullptr;
+}
+
+// The sink: owns registered slots, verifies every record of a slot when the
+// write_with_imm naming it arrives, acks the slot, and reports its totals.
+task<void> pipeline::sink_main(shuttle::domain& dom, shuttle::listener& l, std::size_t slot_size) {
+  auto c = co_await l.accept();
+  if (!c) co_return;
+  auto conn = std::move(*c);
+  std::vector<std::byte> mem(std::size_t(cfg_.slots) * slot_size);
+  auto mr = dom.register_memory(mem, shuttle::access::local_write | shuttle::access::remote_write).value();
+  std::byte desc[shuttle::remote_buffer::wire_size];
+  mr.remote().serialize(desc);
+  if (!co_await conn.send(desc)) co_return;
+  std::uint64_t count = 0, checksum = 0;
+  std::vector<std::byte> plain;
+  for (;;) {
+    auto m = co_await conn.recv();
+    if (!m) break;
+    if (!m->imm()) {  // the sender's fin: answer with our totals
+      std::byte fin[24]{};
+      put32(fin, 0xFFFFFFFF);
+      put64(fin + 8, count);
+      put64(fin + 16, checksum);
+      (void)co_await conn.send(fin);
+      break;
+    }
+    std::uint32_t slot = *m->imm();
+    m->reset();
+    const std::byte* p = mem.data() + std::size_t(slot) * slot_size;
+    std::uint32_t n = get32(p), corrupt = 0;
+    p += 4;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      std::uint64_t id = get64(p), digest = get64(p + 8);
+      std::uint32_t len = get32(p + 16);
+      plain.assign(p + 20, p + 20 + len);
+      for (auto& x : plain) x ^= std::byte{0x5a};
+      if (fnv1a(plain) != digest) ++corrupt;
+      ++count;
+      checksum += mix(id, digest);
+      p += 20 + len;
+    }
+    if (cfg_.sink_delay_us) (void)co_await shuttle::sleep_for(std::chrono::microseconds(cfg_.sink_delay_us));
+    if (cfg_.sink_die_after && count >= cfg_.sink_die_after) break;  // dies: the connection is torn down unacked
+    std::byte ack[8];
+    put32(ack, slot);
+    put32(ack + 4, corrupt);
+    if (!co_await conn.send(ack)) break;
+  }
+  report_.sink_count = std::max(report_.sink_count, count);
+  report_.sink_checksum = report_.sink_count == count ? checksum : report_.sink_checksum;
+  if (cfg_.sink_die_after && count >= cfg_.sink_die_after) {
+    conn = shuttle::connection{};  // abrupt: pending operations fail on both sides
+    co_return;
+  }
+  (void)co_await conn.close();
+}
+
+task<void> pipeline::stopper() {
+  auto sig = [](bool install) -> task<void> {
+    if (!install) {
+      (void)co_await shuttle::sleep_for(std::chrono::hours(24 * 365));
+      co_return;
+    }
+    shuttle::signal_set sigs{SIGINT, SIGTERM};
+    if (auto r = co_await sigs.wait()) std::printf("stream_pipeline: signal %d: draining\n", *r);
+  };
+  auto dur = [](double s) -> task<void> {
+    if (s <= 0) s = 3600.0 * 24 * 365;
+    (void)co_await shuttle::sleep_for(std::chrono::duration<double>(s));
+  };
+  auto clients = [](shuttle::event& e) -> task<void> { (void)co_await e.wait(); };
+  auto stopped = [](std::stop_token t) -> task<void> {
+    shuttle::event e;
+    std::stop_callback cb(t, [&] { e.set(); });
+    (void)co_await e.wait();
+  };
+  (void)co_await shuttle::when_any(sig(cfg_.install_sigint), dur(cfg_.duration_s), clients(clients_done_),
+                                   stopped(stop_.get_token()));
+  stop_.request_stop();
+}
+
+task<report> pipeline::run() {
+  t0_ = clock::now();
+  const std::size_t slot_size = 4 + cfg_.batch * (20 + cfg_.record_size);
+  auto sink_dom = shuttle::domain::open().value();
+  auto src_dom = shuttle::domain::open().value();
+  shuttle::connection_options copts;
+  copts.receive_buffers = std::max<std::uint32_t>(64, cfg_.slots * 2 + 4);
+  auto l = sink_dom.listen(shuttle::endpoint::loopback(0), copts).value();
+  shuttle::async_scope sink_scope, aux, stages;
+  sink_scope.spawn(sink_main(sink_dom, l, slot_size));
+  auto c = co_await src_dom.connect(shuttle::endpoint::loopback(l.local_endpoint().port()), copts);
+  if (!c) throw std::system_error(c.error(), "connect to sink");
+  auto conn = std::move(*c);
+  auto d = co_await conn.recv();
+  if (!d || d->size() != shuttle::remote_buffer::wire_size) throw std::runtime_error("sink: no slot descriptor");
+  auto slots = shuttle::remote_buffer::deserialize(d->data().first<shuttle::remote_buffer::wire_size>());
+  d->reset();
+
+  acceptor_.emplace(actx_, net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), 0));
+  auto ep = acceptor_->local_endpoint();
+  net::co_spawn(actx_, acceptor_loop(), net::detached);
+  clients_live_ = cfg_.clients;
+  for (unsigned i = 0; i < cfg_.clients; ++i) net::co_spawn(actx_, client(i, ep), net::detached);
+
+  aux.spawn(stopper());
+  aux.spawn(reporter());
+  stages.spawn(ingest_supervisor());
+  stages.spawn(compute_stage());
+  stages.spawn(network_stage(conn, slots, slot_size));
+  co_await stages.join();
+  aux.request_stop();
+  co_await aux.join();
+  (void)co_await conn.close();
+  co_await sink_scope.join();
+  l.close();
+  // Let client coroutines (Asio) see their sockets closed.
+  for (int i = 0; i < 100 && clients_live_ != 0; ++i) (void)co_await shuttle::sleep_for(1ms);
+
+  report_.seconds = std::chrono::duration<double>(clock::now() - t0_).count();
+  report_.lost = report_.in - report_.confirmed;
+  if (report_.sink_corrupt && report_.error.empty()) report_.error = "sink: corrupt records";
+  co_return report_;
+}
+
+task<void> pipeline::reporter() {
+  auto last = clock::now();
+  while (!stop_.stop_requested() || !network_done_.is_set()) {
+    (void)co_await shuttle::sleep_for(std::chrono::milliseconds(cfg_.report_ms));
+    auto now = clock::now();
+    double dt = std::chrono::duration<double>(now - last).count();
+    last = now;
+    if (!cfg_.quiet) {
+      std::printf("[%6.1fs]", std::chrono::duration<double>(now - t0_).count());
+      for (auto* m : {&m_ingest_, &m_compute_, &m_network_}) {
+        std::printf("  %s %8.0f rec/s p99 %7.0f us", m->name, double(m->total - m->last_total) / dt, m->p99());
+      }
+      std::printf("  | queues ingest %zu/%zu batches %zu/%zu in-flight %llu\n", ingest_ch_.size(), ingest_ch_.capacity(),
+                  batch_ch_.size(), batch_ch_.capacity(), static_cast<unsigned long long>(in_flight_records_));
+      std::fflush(stdout);
+    }
+    for (auto* m : {&m_ingest_, &m_compute_, &m_network_}) {
+      m->last_total = m->total;
+      m->lat_us.clear();
+    }
+    if (network_done_.is_set()) break;
+  }
+}
+
+}  // namespace stream_pipeline
+
+#ifndef STREAM_PIPELINE_NO_MAIN
+namespace {
+void usage() {
+  std::fprintf(stderr,
+               "usage: stream_pipeline [--clients N] [--records-per-client M] [--record-size B] [--batch R]\n"
+               "         [--queue Q] [--slots S] [--sink-delay-us U] [--sink-die-after R] [--duration S]\n"
+               "         [--report-ms MS] [--quiet]\n");
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace stream_pipeline;
+  config cfg;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view a = argv[i];
+    auto next = [&]() -> double {
+      if (i + 1 >= argc) {
+        usage();
+        std::exit(2);
+      }
+      return std::stod(argv[++i]);
+    };
+    if (a == "--clients") cfg.clients = unsigned(next());
+    else if (a == "--records-per-client") cfg.records_per_client = std::uint64_t(next());
+    else if (a == "--record-size") cfg.record_size = std::uint32_t(next());
+    else if (a == "--batch") cfg.batch = std::size_t(next());
+    else if (a == "--queue") cfg.queue = std::size_t(next());
+    else if (a == "--slots") cfg.slots = std::uint32_t(next());
+    else if (a == "--sink-delay-us") cfg.sink_delay_us = std::uint32_t(next());
+    else if (a == "--sink-die-after") cfg.sink_die_after = std::uint64_t(next());
+    else if (a == "--duration") cfg.duration_s = next();
+    else if (a == "--report-ms") cfg.report_ms = unsigned(next());
+    else if (a == "--quiet") cfg.quiet = true;
+    else {
+      usage();
+      return 2;
+    }
+  }
+  shuttle::block_signals({SIGINT, SIGTERM});
+  shuttle::io_context loop;
+  net::io_context actx(1);
+  report r;
+  {
+    sa::asio_driver driver(loop, actx);
+    pipeline p(loop, actx, cfg);
+    r = loop.run(p.run());
+  }
+  std::printf("stream_pipeline: %.2fs  clients sent %llu  in %llu (checksum %016llx)  sink confirmed %llu (checksum %016llx)"
+              "  lost %llu  corrupt %llu  -> %.0f rec/s\n",
+              r.seconds, (unsigned long long)r.sent_by_clients, (unsigned long long)r.in,
+              (unsigned long long)r.in_checksum, (unsigned long long)r.sink_count, (unsigned long long)r.sink_checksum,
+              (unsigned long long)r.lost, (unsigned long long)r.sink_corrupt, double(r.confirmed) / r.seconds);
+  if (!r.error.empty()) std::printf("stream_pipeline: ERROR: %s (%llu records lost)\n", r.error.c_str(), (unsigned long long)r.lost);
+  if (r.ok()) {
+    std::printf("stream_pipeline: OK: out == in (count and checksum)\n");
+    return 0;
+  }
+  return 3;
+}
+#endif

@@ -1,0 +1,19 @@
+// shuttle <-> Boost.Asio interop, everything. See config.hpp for the
+// supported Boost range and the include-order rule.
+//
+//  - async_run.hpp, ops.hpp, transport.hpp: shuttle operations with any Asio
+//    completion token (use_awaitable, use_future, callbacks, deferred,
+//    as_tuple, ||/&&), Asio cancellation slots -> shuttle cancellation;
+//  - use_task.hpp: shuttle tasks await Asio operations;
+//  - executor.hpp: the shuttle loop as an Asio execution context;
+//  - asio_driver.hpp: an asio::io_context driven from the shuttle loop.
+#pragma once
+
+#include <shuttle/asio/config.hpp>
+#include <shuttle/asio/error.hpp>
+#include <shuttle/asio/executor.hpp>
+#include <shuttle/asio/async_run.hpp>
+#include <shuttle/asio/ops.hpp>
+#include <shuttle/asio/transport.hpp>
+#include <shuttle/asio/use_task.hpp>
+#include <shuttle/asio/asio_driver.hpp>
