@@ -337,7 +337,10 @@ task<void> connection_loop(thread_state& ts, connection& c, load_params lp, stea
     }
     const auto t1 = steady::now();
     if (ec) {
-      if (is_cancel(ec)) break;  // the deadline, not a failure
+      // The deadline, not a failure: the request was cancelled, or (over the
+      // transport API, where cancelling an in-flight operation takes the
+      // connection down) it failed because its cancellation did.
+      if (is_cancel(ec) || (co_await shuttle::get_stop_token()).stop_requested()) break;
       ++ts.io_errors;
       ts.note("connection " + std::to_string(c.id) + ": " +
               (ec == shuttle::errc::eof || ec == shuttle::errc::disconnected ? std::string("server closed the connection")
