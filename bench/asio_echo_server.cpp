@@ -16,28 +16,10 @@
 // Prints "asio_echo_server listening on port P with N threads" (flushed) once
 // all acceptors are listening. Exits 0 on SIGINT/SIGTERM.
 
-// Boost 1.74's asio only enables co_await support on clang when
-// <experimental/coroutine> exists (libc++ with -fcoroutines-ts). clang 14 in
-// C++20 mode with libstdc++ has working standard coroutines (<coroutine>,
-// __cpp_impl_coroutine), so tell asio to use them. Must precede asio includes.
-#if defined(__clang__) && defined(__cpp_impl_coroutine) && !defined(BOOST_ASIO_HAS_CO_AWAIT)
-#  if __has_include(<coroutine>)
-#    define BOOST_ASIO_HAS_CO_AWAIT 1
-#    define BOOST_ASIO_HAS_STD_COROUTINE 1
-#  endif
-#endif
+// Boost 1.74 + clang 14 / g++ workarounds (co_await detection, <utility>,
+// a false -Wmismatched-new-delete): the same ones shuttle's Asio interop uses.
+#include <shuttle/asio/config.hpp>
 
-// GCC 11+ at some optimisation levels (-O1, and -O2 with sanitizers) reports a
-// false -Wmismatched-new-delete for asio's awaitable frame allocator
-// (awaitable_frame_base::operator new/delete wrap ::operator new/delete via
-// thread_info_base). The warning is attributed to the coroutines in this
-// file, so it has to be silenced here rather than around the includes.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#  pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
-// Standard headers first: Boost 1.74's <boost/asio/awaitable.hpp> uses
-// std::exchange without including <utility>.
 #include <atomic>
 #include <cerrno>
 #include <chrono>
