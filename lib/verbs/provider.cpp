@@ -129,6 +129,7 @@ struct pd_holder {
 
 struct verbs_region final : region_impl {
   ibv_mr* mr = nullptr;
+  bool device_memory = false;  // dma-buf (GPU) memory: the CPU must not read it, so never inline
   std::shared_ptr<pd_holder> pd;
   ~verbs_region() override {
     if (mr) ibv_dereg_mr(mr);
@@ -209,6 +210,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // register_memory, covering ranges for operations) and implicit ones made
   // for operations on unregistered memory (strong, LRU-bounded).
   std::multimap<std::uintptr_t, std::weak_ptr<verbs_region>> user_regs;
+  std::size_t device_registrations = 0;  // dma-buf registrations ever made
   std::multimap<std::uintptr_t, std::shared_ptr<verbs_region>> implicit;
   std::deque<verbs_region*> implicit_order;
 
@@ -279,6 +281,37 @@ struct core final : poller, std::enable_shared_from_this<core> {
     unsigned a = flags & access::all;
     if (a & (access::remote_write | access::remote_atomic)) a |= access::local_write;
     return a;
+  }
+
+#ifdef SHUTTLE_HAVE_VERBS_DMABUF
+  // Device memory exported as a dma-buf; the region's addresses are `iova`
+  // (the device pointer), as operations and remote descriptors use them.
+  result<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova,
+                                        unsigned flags) {
+    unsigned a = normalize(flags);
+    ibv_mr* mr = ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, static_cast<int>(a));
+    if (!mr) return last_errno();
+    ++st.registrations;
+    auto r = std::make_shared<verbs_region>();
+    r->mr = mr;
+    r->pd = pdh;
+    r->addr = reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(iova));
+    r->length = length;
+    r->access = a;
+    r->lkey = mr->lkey;
+    r->rkey = mr->rkey;
+    r->device_memory = true;
+    ++device_registrations;
+    user_regs.emplace(static_cast<std::uintptr_t>(iova), r);
+    return memory_region(r);
+  }
+#endif
+
+  // True when `mem` lies in a registration of device memory.
+  bool in_device_memory(std::span<const std::byte> mem) {
+    if (device_registrations == 0) return false;  // host-only domains skip the lookup
+    auto sp = find_cover(user_regs, reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), false);
+    return sp && sp->device_memory;
   }
 
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned flags) {
@@ -824,7 +857,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     sge.addr = reinterpret_cast<std::uintptr_t>(mem.data());
     sge.length = static_cast<std::uint32_t>(mem.size());
     if (mem.empty()) return std::shared_ptr<verbs_region>{};
-    if (may_inline && mem.size() <= max_inline) {
+    // Inline means the CPU copies the bytes into the WQE: never from GPU memory.
+    if (may_inline && mem.size() <= max_inline && !dom->in_device_memory(mem)) {
       wr.send_flags |= IBV_SEND_INLINE;
       return std::shared_ptr<verbs_region>{};
     }
@@ -1238,6 +1272,18 @@ result<domain_stats> stats(const domain& d) {
   auto* v = dynamic_cast<detail::verbs_domain*>(d.impl());
   if (!v) return make_error_code(errc::not_supported);
   return v->get().st;
+}
+
+result<memory_region> register_dmabuf(domain& d, int fd, std::uint64_t offset, std::size_t length,
+                                      std::uint64_t iova, unsigned access_flags) {
+  auto* v = dynamic_cast<detail::verbs_domain*>(d.impl());
+  if (!v) return make_error_code(errc::not_supported);
+#ifdef SHUTTLE_HAVE_VERBS_DMABUF
+  return v->get().register_dmabuf(fd, offset, length, iova, access_flags);
+#else
+  (void)fd, (void)offset, (void)length, (void)iova, (void)access_flags;
+  return make_error_code(errc::not_supported);
+#endif
 }
 
 }  // namespace shuttle::verbs

@@ -15,6 +15,7 @@
 
 namespace shuttle {
 class domain;
+class memory_region;
 }
 
 namespace shuttle::verbs {
@@ -74,5 +75,15 @@ struct domain_stats {
   std::size_t live_connections = 0;  // QPs not destroyed yet (incl. draining)
 };
 result<domain_stats> stats(const domain& d);
+
+// Registers device (GPU) memory exported as a dma-buf (for CUDA:
+// cuMemGetHandleForAddressRange) with ibv_reg_dmabuf_mr. The region's
+// addresses are `iova` (pass the device pointer), so operations and
+// remote_buffer descriptors name device addresses; the provider never sends
+// inline from it. errc::not_supported on a non-verbs domain or an rdma-core
+// without dma-buf support; the device's errno (EOPNOTSUPP, EINVAL) when the
+// NIC or kernel cannot.
+result<memory_region> register_dmabuf(domain& d, int fd, std::uint64_t offset, std::size_t length,
+                                      std::uint64_t iova, unsigned access_flags);
 
 }  // namespace shuttle::verbs
