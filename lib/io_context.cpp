@@ -226,7 +226,8 @@ void io_context::exit_interrupt_mode() {
   for (auto* p : pollers_) p->exit_interrupt_mode();
 }
 
-void io_context::reap() {
+unsigned io_context::reap() {
+  unsigned total = 0;
   io_uring_cqe* cqes[64];
   struct completion {
     std::uint64_t data;
@@ -235,7 +236,8 @@ void io_context::reap() {
   } batch[64];
   for (;;) {
     unsigned n = io_uring_peek_batch_cqe(&ring_, cqes, 64);
-    if (n == 0) return;
+    if (n == 0) return total;
+    total += n;
     // Copy then advance first: a completion handler may submit and reap again.
     for (unsigned i = 0; i < n; ++i) batch[i] = {cqes[i]->user_data, cqes[i]->res, cqes[i]->flags};
     io_uring_cq_advance(&ring_, n);
@@ -264,6 +266,7 @@ void io_context::run_until(const bool& done, bool stoppable) {
 
   using clock = std::chrono::steady_clock;
   auto last_work = clock::now();
+  auto last_completion = last_work;  // for ring_spin_budget
   while (!done && !(stoppable && stop_requested_.load(std::memory_order_relaxed))) {
     // Remote work first: a task posted here before the loop started (a
     // spawn) must be running before the ready coroutines look for it.
@@ -271,12 +274,17 @@ void io_context::run_until(const bool& done, bool stoppable) {
     run_ready();
     if (!pollers_.empty() && poll_pollers()) work = true;
     if (done) break;
-    bool spinning = !pollers_.empty() && clock::now() - last_work < opts_.spin_budget;
+    bool spinning = false;
+    if (!pollers_.empty() || opts_.ring_spin_budget.count() > 0) {
+      auto now = clock::now();
+      if (work) last_work = now;
+      spinning = (!pollers_.empty() && now - last_work < opts_.spin_budget) ||
+                 now - last_completion < opts_.ring_spin_budget;
+    }
     if (work || !ready_.empty() || spinning) {
-      if (work) last_work = clock::now();
       // Submit what is queued and run deferred completion work, no wait.
       io_uring_submit_and_get_events(&ring_);
-      reap();
+      if (reap() > 0 && opts_.ring_spin_budget.count() > 0) last_completion = clock::now();
       continue;
     }
     if (!pollers_.empty() && !enter_interrupt_mode()) {
@@ -291,7 +299,7 @@ void io_context::run_until(const bool& done, bool stoppable) {
       throw_errno(-r, "io_uring_submit_and_wait");
     if (!pollers_.empty()) exit_interrupt_mode();
     reap();
-    last_work = clock::now();
+    last_work = last_completion = clock::now();
   }
 }
 

@@ -38,6 +38,12 @@ class io_context {
     // How long the loop keeps busy-polling its pollers after the last one
     // that did work, before it arms them and sleeps in the ring.
     std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
+    // How long the loop keeps polling the ring itself (io_uring_get_events,
+    // no sleep) after the last completion, pollers or not. A sleeping loop
+    // costs a wake-up (a few microseconds) per completion; latency-bound
+    // users that can spare a core (ping-pong over the tcp provider, as UCX
+    // and perftest spin) set this. 0: sleep as soon as nothing is ready.
+    std::chrono::nanoseconds ring_spin_budget{0};
   };
 
   io_context();
@@ -86,6 +92,10 @@ class io_context {
   void adopt_orphan(detail::orphan_op* op) noexcept;
   void forget_orphan(detail::orphan_op* op) noexcept;
 
+  // Loop thread only: changes options::ring_spin_budget.
+  void set_ring_spin_budget(std::chrono::nanoseconds budget) noexcept { opts_.ring_spin_budget = budget; }
+  std::chrono::nanoseconds ring_spin_budget() const noexcept { return opts_.ring_spin_budget; }
+
   void add_poller(poller& p);
   void remove_poller(poller& p) noexcept;
 
@@ -105,7 +115,7 @@ class io_context {
   bool poll_pollers();
   bool enter_interrupt_mode();
   void exit_interrupt_mode();
-  void reap();
+  unsigned reap();
   void arm_wakeup();
   void wake() noexcept;
   static void on_wakeup(detail::io_op* op, int res, std::uint32_t flags) noexcept;

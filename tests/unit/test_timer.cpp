@@ -108,3 +108,26 @@ TEST_CASE("cancel racing completion: every operation resumes exactly once") {
     CHECK(other == 0);
   }
 }
+
+// ring_spin_budget: the loop polls the ring instead of sleeping in it while
+// completions keep arriving within the budget.
+TEST_CASE("ring_spin_budget: the loop polls the ring instead of sleeping") {
+  auto ten_sleeps = []() -> task<void> {
+    for (int i = 0; i < 10; ++i) (void)co_await sleep_for(1ms);
+  };
+  {
+    io_context ctx;
+    ctx.run(ten_sleeps());
+    CHECK(ctx.loop_sleeps() >= 10);  // each timer was waited for asleep
+  }
+  {
+    io_context::options o;
+    o.ring_spin_budget = 10s;
+    io_context ctx(o);
+    ctx.run(ten_sleeps());
+    CHECK(ctx.loop_sleeps() == 0);
+    ctx.set_ring_spin_budget(0ns);
+    ctx.run(ten_sleeps());
+    CHECK(ctx.loop_sleeps() >= 10);
+  }
+}
