@@ -2,7 +2,7 @@
 //
 //   shuttle-echo-client --host H --port P [--connections C] [--size S]
 //                       [--duration T] [--threads N] [--connect-timeout T] [--json]
-//                       [--transport tcp|rdma|tcp-provider]
+//                       [--transport tcp|rdma|tcp-provider] [--recv-ring N]
 //
 // Opens C connections (spread round-robin over N threads, each with its own
 // io_context), then for T seconds every connection loops: send S bytes (a
@@ -11,6 +11,11 @@
 // at the deadline are cancelled and not counted.
 //
 // --transport tcp (the default) uses TCP sockets (write, then read S bytes).
+// With --recv-ring N the replies arrive through one multishot recv per
+// connection into a ring of N kernel-provided buffers per thread
+// (receive_stream.hpp) instead of a recv submitted per reply: the client
+// then spends less CPU per request, which matters when it shares a machine
+// with the server it measures.
 // --transport rdma (the verbs provider, rdma_cm) and tcp-provider (shuttle's
 // RDMA semantics over TCP) use the transport API: each thread opens a domain,
 // every request is one send and the echo one recv. S must then be at most the
@@ -133,6 +138,8 @@ struct thread_state {
   std::uint64_t connect_failures = 0;
   std::uint64_t starved = 0;  // connected, but not one request completed
   std::size_t too_big = 0;    // the transport API: a connection whose max_message_size() < S
+  std::optional<shuttle::buffer_ring> ring;  // --recv-ring
+  std::vector<std::byte> pool;               // fill_pattern's bytes
   std::vector<std::string> messages;  // the first few error descriptions
   std::size_t live = 0;               // connections still looping
   shuttle::event all_done;
@@ -151,19 +158,30 @@ std::uint64_t splitmix64(std::uint64_t& x) noexcept {
   return z ^ (z >> 31);
 }
 
+// Pseudo-random bytes, generated once per thread: requests are cut from it
+// so that a large request costs a memcpy, not a generator call per word
+// (the client must stay cheaper than the servers it measures).
+constexpr std::size_t kPoolSlack = 4096;
+std::vector<std::byte> make_pool(std::size_t size, std::uint64_t seed) {
+  std::vector<std::byte> pool((size + kPoolSlack + 7) / 8 * 8);
+  for (std::size_t i = 0; i < pool.size(); i += 8) {
+    std::uint64_t v = splitmix64(seed);
+    std::memcpy(pool.data() + i, &v, 8);
+  }
+  return pool;
+}
+
 // Different for every (connection, request): a stale, reordered or mixed-up
-// echo does not match.
-void fill_pattern(std::vector<std::byte>& buf, std::uint64_t conn, std::uint64_t seq) noexcept {
+// echo does not match. The first 16 bytes are the connection and request
+// numbers mixed with the pool, the rest a window of the pool that moves with
+// every request.
+void fill_pattern(std::vector<std::byte>& buf, const std::vector<std::byte>& pool, std::uint64_t conn,
+                  std::uint64_t seq) noexcept {
   std::uint64_t state = (conn << 40) ^ seq ^ 0x5368757474006c65ull;
-  std::size_t i = 0;
-  for (; i + 8 <= buf.size(); i += 8) {
-    std::uint64_t v = splitmix64(state);
-    std::memcpy(buf.data() + i, &v, 8);
-  }
-  if (i < buf.size()) {
-    std::uint64_t v = splitmix64(state);
-    std::memcpy(buf.data() + i, &v, buf.size() - i);
-  }
+  const std::size_t offset = static_cast<std::size_t>(splitmix64(state) % kPoolSlack);
+  std::memcpy(buf.data(), pool.data() + offset, buf.size());
+  std::uint64_t head[2] = {conn ^ splitmix64(state), seq ^ splitmix64(state)};
+  std::memcpy(buf.data(), head, std::min(buf.size(), sizeof head));
 }
 
 // ---------------------------------------------------------------- phases
@@ -187,6 +205,7 @@ std::error_code current_exception_code() noexcept {
 struct load_params {
   cli::transport transport = cli::transport::socket;
   std::size_t size = 64;
+  std::size_t recv_ring = 0;
 };
 
 task<void> connect_socket(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
@@ -285,6 +304,21 @@ task<shuttle::result<void>> write_request(shuttle::tcp_socket& sock, std::span<c
   co_return w;
 }
 
+// Reads exactly in.size() bytes of reply from a receive stream. The echo of
+// one request is all a server may send: bytes beyond it are a protocol error.
+task<shuttle::result<void>> read_exact(shuttle::receive_stream& rx, std::span<std::byte> in) {
+  std::size_t got = 0;
+  while (got < in.size()) {
+    auto b = co_await rx.next();
+    if (!b) co_return b.error();
+    if (b->empty()) co_return shuttle::make_error_code(shuttle::errc::eof);
+    if (b->size() > in.size() - got) co_return shuttle::make_error_code(shuttle::errc::protocol_error);
+    std::memcpy(in.data() + got, b->data().data(), b->size());
+    got += b->size();
+  }
+  co_return shuttle::result<void>{};
+}
+
 // One request over the transport API: a send, the echo by recv.
 task<std::error_code> transport_request(connection& c, const std::vector<std::byte>& out, bool& match,
                                         std::size_t& differs_at) {
@@ -305,9 +339,17 @@ task<void> connection_loop(thread_state& ts, connection& c, load_params lp, stea
   const std::size_t size = lp.size;
   const bool over_socket = lp.transport == cli::transport::socket;
   std::vector<std::byte> out(size), in(over_socket ? size : 0);
+  // Destroyed before the socket closes, and with no next() pending: every
+  // read through it is awaited inside the loop.
+  std::optional<shuttle::receive_stream> rx;
+  if (over_socket && ts.ring) rx.emplace(c.socket, *ts.ring);
+  auto read_reply = [&]() -> task<shuttle::result<void>> {
+    if (rx) return read_exact(*rx, in);
+    return c.socket.read_exact(in);
+  };
   std::uint64_t seq = 0;
   for (; steady::now() < deadline; ++seq) {
-    fill_pattern(out, c.id, seq);
+    fill_pattern(out, ts.pool, c.id, seq);
     const auto t0 = steady::now();
     std::error_code ec;
     bool match = true;
@@ -320,11 +362,11 @@ task<void> connection_loop(thread_state& ts, connection& c, load_params lp, stea
         if (!w) {
           ec = w.error();
         } else {
-          auto r = co_await c.socket.read_exact(in);
+          auto r = co_await read_reply();
           if (!r) ec = r.error();
         }
       } else {
-        auto both = co_await shuttle::when_all(write_request(c.socket, out), c.socket.read_exact(in));
+        auto both = co_await shuttle::when_all(write_request(c.socket, out), read_reply());
         auto& w = std::get<0>(both);
         auto& r = std::get<1>(both);
         if (!w)
@@ -363,6 +405,7 @@ task<void> connection_loop(thread_state& ts, connection& c, load_params lp, stea
     ts.latency.record(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count()));
   }
   if (seq == 0) ++ts.starved;
+  rx.reset();
   c.socket.close();
   if (!over_socket) {
     // Graceful when the loop ended between requests; a cancelled connection
@@ -384,6 +427,10 @@ task<void> run_load(thread_state& ts, load_params lp, steady::time_point deadlin
   for (auto& c : ts.connections)
     if (c.is_open()) ++ts.live;
   if (ts.live == 0) co_return;
+  ts.pool = make_pool(lp.size, reinterpret_cast<std::uintptr_t>(&ts));
+  if (lp.recv_ring && lp.transport == cli::transport::socket)
+    ts.ring.emplace(shuttle::io_context::current(), static_cast<unsigned>(lp.recv_ring),
+                    std::max<std::size_t>(lp.size, 16384));
   for (auto& c : ts.connections)
     if (c.is_open()) scope.spawn(connection_loop(ts, c, lp, deadline));
   (void)co_await shuttle::when_any(wait_event(ts.all_done), wait_until(deadline));
@@ -425,11 +472,12 @@ struct options {
   double connect_timeout = 5;
   bool json = false;
   cli::transport transport = cli::transport::socket;
+  std::size_t recv_ring = 0;
 };
 
 const char* const kUsage =
     "usage: shuttle-echo-client --port P [--host H] [--connections C] [--size S] [--duration T]\n"
-    "       [--threads N] [--connect-timeout T] [--json] [--transport T]\n"
+    "       [--threads N] [--connect-timeout T] [--json] [--transport T] [--recv-ring N]\n"
     "  --host H             server address or name (default 127.0.0.1)\n"
     "  --port P             server port\n"
     "  --connections C      concurrent connections (default 1)\n"
@@ -440,7 +488,9 @@ const char* const kUsage =
     "  --json               also print the results as one JSON line (the last line)\n"
     "  --transport T        tcp (sockets, default), rdma (verbs provider, rdma_cm) or\n"
     "                       tcp-provider (RDMA semantics over TCP): the last two send each\n"
-    "                       request as one message, at most the connection's max_message_size()\n";
+    "                       request as one message, at most the connection's max_message_size()\n"
+    "  --recv-ring N        tcp: receive replies through a ring of N kernel-provided buffers per\n"
+    "                       thread (multishot recv; N a power of two; default 0: a recv per reply)\n";
 
 options parse_options(int argc, char** argv) {
   options o;
@@ -463,6 +513,11 @@ options parse_options(int argc, char** argv) {
                [&](std::string_view v) {
                  o.transport = p.transport_name(
                      "--transport", v, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider});
+               }},
+              {"--recv-ring",
+               [&](std::string_view v) {
+                 o.recv_ring = p.count("--recv-ring", v, 1, 32768);
+                 if (!std::has_single_bit(o.recv_ring)) p.fail_with_usage("--recv-ring: N must be a power of two");
                }},
           });
   if (!o.port_set) p.fail_with_usage("--port is required");
@@ -488,7 +543,7 @@ int run_client(const options& o) {
   // Phase 1: connect.
   const auto timeout = to_ns(o.connect_timeout);
   const auto connect_start = steady::now();
-  const load_params lp{o.transport, o.size};
+  const load_params lp{o.transport, o.size, o.recv_ring};
   on_every_thread(rt, [&](std::size_t i) { return connect_all(*states[i], *ep, timeout, lp); });
   const double connect_s = std::chrono::duration<double>(steady::now() - connect_start).count();
 

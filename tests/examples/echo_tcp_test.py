@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""The TCP echo server end to end, as its users meet it.
+
+echo_tcp_test.py SERVER CLIENT [SERVER_ARGS...]
+
+Starts SERVER (shuttle-echo-server) with --threads 2 and SERVER_ARGS, then:
+  1. load from shuttle-echo-client: 1000 connections (64 B), 64 connections
+     with 4 KiB and with 200 KB requests (write and read concurrently), and
+     a client receiving through a buffer ring: zero errors;
+  2. ordinary clients: a python socket streaming 1 MiB of every byte value,
+     and netcat when it is installed;
+  3. hostile clients: garbage, a reset in the middle of a message, a client
+     that sends megabytes and vanishes without reading; the server keeps
+     serving;
+  4. SIGTERM: exit status 0 and the summary line.
+Then a second server with a file-descriptor limit of 48 gets 80
+connections: it logs and backs off, serves the connections that fit, and
+serves the waiting ones once descriptors free up; SIGINT ends it cleanly.
+Exit status 0 when all of that holds; the first failure is printed.
+"""
+import json
+import os
+import random
+import resource
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+TIMEOUT = 20.0
+
+
+def fail(msg, server=None):
+    print("echo-tcp-test: FAIL:", msg)
+    if server is not None:
+        server.dump()
+    sys.exit(1)
+
+
+class Server:
+    def __init__(self, exe, args, nofile=None):
+        self.log = tempfile.TemporaryFile(mode="w+")
+        limits = None
+        if nofile is not None:
+            def limits():
+                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+        else:
+            def limits():
+                soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+                if soft < want:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        self.proc = subprocess.Popen([exe, "--port", "0", "--threads", "2", *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, preexec_fn=limits)
+        deadline = time.time() + TIMEOUT
+        self.port = None
+        while time.time() < deadline and self.port is None:
+            if self.proc.poll() is not None:
+                fail("the server exited before listening", self)
+            for line in self.text().splitlines():
+                if "listening on port" in line:
+                    self.port = int(line.split("listening on port")[1].split()[0])
+            time.sleep(0.05)
+        if self.port is None:
+            fail("the server did not listen", self)
+
+    def text(self):
+        self.log.seek(0)
+        return self.log.read()
+
+    def dump(self):
+        print("--- server log:")
+        print(self.text()[-4000:])
+
+    def alive(self):
+        if self.proc.poll() is not None:
+            fail("the server died (status %s)" % self.proc.returncode, self)
+
+    def stop(self, sig):
+        self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            fail("the server did not stop within %d s of %s" % (TIMEOUT, signal.Signals(sig).name), self)
+        if rc != 0:
+            fail("server exit status %d after %s" % (rc, signal.Signals(sig).name), self)
+        if "served" not in self.text():
+            fail("no summary line after %s" % signal.Signals(sig).name, self)
+
+
+def connect(port):
+    s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    s.settimeout(TIMEOUT)
+    return s
+
+
+def echo_check(port, payload, what):
+    """Sends payload from one thread while reading the echo: any size works."""
+    s = connect(port)
+    sender = threading.Thread(target=s.sendall, args=(payload,))
+    sender.start()
+    got = bytearray()
+    while len(got) < len(payload):
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            break
+        got += chunk
+    sender.join()
+    s.close()
+    if bytes(got) != payload:
+        at = next((i for i in range(min(len(got), len(payload))) if got[i] != payload[i]), min(len(got), len(payload)))
+        fail("%s: echo of %d bytes differs at byte %d (%d received)" % (what, len(payload), at, len(got)))
+
+
+def run_client(client, port, *args):
+    r = subprocess.run([client, "--host", "127.0.0.1", "--port", str(port), "--json", *args],
+                       capture_output=True, text=True, timeout=120)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    if r.returncode != 0 or not lines:
+        fail("shuttle-echo-client %s: status %d\n%s%s" % (" ".join(args), r.returncode, r.stdout, r.stderr))
+    d = json.loads(lines[-1])
+    if d["errors"] != 0 or d["requests"] == 0 or d["connected"] != d["connections"]:
+        fail("shuttle-echo-client %s: %s" % (" ".join(args), lines[-1]))
+    print("   %s: %d requests, %.0f/s, p99 %.1f us" % (" ".join(args), d["requests"], d["requests_per_s"], d["p99_us"]))
+
+
+def main():
+    if len(sys.argv) < 3:
+        print("usage: echo_tcp_test.py SERVER CLIENT [SERVER_ARGS...]")
+        return 2
+    server_exe, client_exe, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))  # for the client, inherited
+
+    srv = Server(server_exe, extra)
+    port = srv.port
+    print("== server %s on port %d" % (" ".join(["--threads 2", *extra]), port))
+
+    print("== load from shuttle-echo-client")
+    run_client(client_exe, port, "--connections", "1000", "--threads", "2", "--size", "64", "--duration", "1")
+    run_client(client_exe, port, "--connections", "64", "--threads", "2", "--size", "4096", "--duration", "1")
+    run_client(client_exe, port, "--connections", "64", "--size", "200000", "--duration", "1")
+    run_client(client_exe, port, "--connections", "64", "--size", "4096", "--duration", "1", "--recv-ring", "256")
+
+    print("== ordinary clients")
+    rng = random.Random(7)
+    echo_check(port, bytes(range(256)) * 4096, "python socket, 1 MiB of every byte value")
+    print("   python socket: 1 MiB echoed and verified")
+    nc = shutil.which("nc")
+    if nc:
+        r = subprocess.run([nc, "-N", "127.0.0.1", str(port)], input=b"hello from netcat\n", capture_output=True,
+                           timeout=TIMEOUT)
+        if r.stdout != b"hello from netcat\n":
+            fail("netcat got %r back" % r.stdout, srv)
+        print("   netcat: echoed")
+    else:
+        print("   netcat: not installed, not tried")
+
+    print("== hostile clients")
+    echo_check(port, bytes(rng.getrandbits(8) for _ in range(100000)), "garbage")
+    print("   100 KB of random bytes: echoed")
+    # Resets in the middle of a message (SO_LINGER 0: close sends RST).
+    for _ in range(200):
+        s = connect(port)
+        s.sendall(os.urandom(rng.randint(1, 3000)))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    # Clients that send megabytes and vanish without reading their echo: the
+    # server's writes block, then fail when the socket goes.
+    vanished = []
+    for _ in range(20):
+        s = connect(port)
+        s.setblocking(False)
+        try:
+            for _ in range(64):
+                s.send(b"\xff" * 65536)
+        except BlockingIOError:
+            pass
+        vanished.append(s)
+    time.sleep(0.2)
+    for s in vanished:
+        s.close()
+    srv.alive()
+    echo_check(port, b"still serving after 200 resets and 20 vanished clients", "after hostile clients")
+    print("   200 resets mid-message, 20 clients vanished mid-stream: still serving")
+    run_client(client_exe, port, "--connections", "16", "--size", "64", "--duration", "0.5")
+    srv.stop(signal.SIGTERM)
+    print("   SIGTERM: exit 0, " + [l for l in srv.text().splitlines() if "served" in l][-1].strip())
+
+    print("== out of file descriptors (RLIMIT_NOFILE 48, 80 connections)")
+    srv = Server(server_exe, extra, nofile=48)
+    port = srv.port
+    held = [connect(port) for _ in range(80)]
+    # Every connection sends; those accepted echo, the others wait in the backlog.
+    for i, s in enumerate(held):
+        s.sendall(b"conn %03d\n" % i)
+    time.sleep(1.0)
+    srv.alive()
+    log = srv.text()
+    if "backing off" not in log:
+        fail("no back-off logged with 80 connections and 48 descriptors", srv)
+    answered = 0
+    for s in held[:20]:
+        s.settimeout(0.5)
+        try:
+            if s.recv(64):
+                answered += 1
+        except socket.timeout:
+            pass
+    if answered == 0:
+        fail("no connection served while out of descriptors", srv)
+    # Free descriptors: every connection still waiting must now be served.
+    for s in held[:40]:
+        s.close()
+    # Whichever answers first is checked and closed, which frees its
+    # descriptor for the next one still waiting.
+    waiting = {s: (i, b"") for i, s in enumerate(held[40:], start=40)}
+    sel = selectors.DefaultSelector()
+    for s in waiting:
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+    deadline = time.time() + TIMEOUT
+    while waiting and time.time() < deadline:
+        for key, _ in sel.select(timeout=1.0):
+            s = key.fileobj
+            i, got = waiting[s]
+            chunk = s.recv(64)
+            want = b"conn %03d\n" % i
+            got += chunk
+            if not chunk or not want.startswith(got):
+                fail("connection %d: got %r once descriptors were free" % (i, got), srv)
+            waiting[s] = (i, got)
+            if got == want:
+                sel.unregister(s)
+                s.close()
+                del waiting[s]
+    if waiting:
+        fail("%d connections were not served within %d s of descriptors being free" % (len(waiting), TIMEOUT), srv)
+    print("   logged and backed off; the %d waiting connections were served once descriptors were free" % 40)
+    srv.stop(signal.SIGINT)
+    print("   SIGINT: exit 0")
+    print("echo-tcp-test: OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
