@@ -1,7 +1,8 @@
 #!/bin/bash
 # The test command: installs what is missing, then builds and runs every test
 # in three configurations:
-#   build-ci     g++, all suites (unit, transport, verbs in the Soft-RoCE guest)
+#   build-ci     g++, all suites (unit, transport, verbs in the Soft-RoCE guest),
+#                then meson install and a downstream build (tools/test-consumers.sh)
 #   build-asan   g++ with ASan+UBSan, the same suites but fuzz
 #   build-fuzz   clang, the libFuzzer frame-decoder target, 60 s
 #   build-tsan   clang with TSan, the multi-threaded suites
@@ -26,6 +27,8 @@ run_suites() {  # dir, then meson test options
 
 configure build-ci --buildtype=debugoptimized
 run_suites build-ci
+echo "=== downstream use: meson install + pkg-config, meson subproject"
+bash tools/test-consumers.sh build-ci || status=1
 
 configure build-asan --buildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false -Dbench=false
 # The guest suites run once, in build-ci: under ASan they would double CI time.
