@@ -34,7 +34,12 @@ void init_ring(io_uring& ring, unsigned entries) {
     p.flags = flags | IORING_SETUP_CQSIZE;
     p.cq_entries = entries * 4;
     err = io_uring_queue_init_params(entries, &ring, &p);
-    if (err == 0) return;
+    if (err == 0) {
+      // Every io_uring_enter then skips looking the ring's fd up (5.18+);
+      // best effort: older kernels just keep the lookup.
+      (void)io_uring_register_ring_fd(&ring);
+      return;
+    }
     if (err != -EINVAL) break;
   }
   throw_errno(-err, "io_uring_queue_init(" + std::to_string(entries) + " entries)");
