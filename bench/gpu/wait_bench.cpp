@@ -4,7 +4,26 @@
 // mean and p99 of launch-to-wake time, overhead beyond the kernel, and CPU
 // use (process CPU time / wall time, CUDA's own threads included).
 //
-//   gpu_wait_bench [scale]     (scale multiplies the iteration counts; default 1)
+//   gpu_wait_bench [scale [sweep]]   (scale multiplies the iteration counts,
+//                                    default 1; sweep: also the hybrid's
+//                                    spin and sleep_divisor settings)
+//
+// H200 (nvidia-h200 machine, 2026-11-29), ratio of the mean to
+// cudaEventSynchronize's, and CPU where below 100%; ranges over six runs:
+//
+//   kernel                          0 us        20 us       200 us            2 ms
+//   raw cudaEventQuery poll         0.97-1.00   0.98-1.01   1.00              1.00
+//   raw stream write value + poll   0.85-0.95   0.95-0.99   1.00-1.01         1.00
+//   raw host func + eventfd read    3.0-5.5     2.3-2.8     1.37-1.60 17-24%  1.08-1.10  4-6%
+//   co_await event_query            0.90-1.05   0.97-1.03   1.00-1.01         1.00
+//   co_await host_func              0.90-1.04   0.97-1.03   1.30-1.54 37-44%  1.08-1.11  7-9%
+//   co_await hybrid (default)       0.90-1.04   0.96-1.02   1.03-1.07 57-68%  1.03       15-19%
+//   before: spin 200 us then
+//   host func + eventfd             1.115       0.99        1.02 113%         1.086 15%
+//
+// The sweep (spin 50/100/200 us x age/8, /16, /32) put the default at spin
+// 50 us, age/16: /8 wakes 5-10% late, /32 costs 5-10 points of CPU more at
+// 2 ms for 1.5% less, and a longer spin costs CPU at 200 us for nothing.
 #include <shuttle/cuda/cuda.hpp>
 #include <shuttle/cuda/kernels.hpp>
 #include <shuttle/shuttle.hpp>
@@ -18,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string_view>
 #include <vector>
 
 using namespace shuttle;
@@ -106,6 +126,7 @@ int main(int argc, char** argv) {
     return 77;
   }
   double scale = argc > 1 ? std::atof(argv[1]) : 1.0;
+  const bool sweep = argc > 2 && std::string_view(argv[2]) == "sweep";
   if (cudaSetDeviceFlags(cudaDeviceScheduleSpin) != cudaSuccess) std::puts("warning: cudaDeviceScheduleSpin refused");
   std::printf("gpu_wait_bench: %s\n", cuda::describe_device(0).c_str());
   cuda::stream s;
@@ -119,8 +140,9 @@ int main(int argc, char** argv) {
     int iters;
   } loads[] = {{0, 5000}, {20'000, 3000}, {200'000, 1000}, {2'000'000, 200}};
 
-  for (auto [ns, iters0] : loads) {
-    int iters = std::max(20, int(iters0 * scale));
+  for (const workload& load : loads) {
+    const std::uint64_t ns = load.ns;  // a plain variable: lambdas below capture it (clang 14: no bindings)
+    int iters = std::max(20, int(load.iters * scale));
     std::printf("kernel %.0f us, %d iterations:\n", double(ns) / 1000.0, iters);
     auto base = measure(iters, ns, s, [&](int) {
       ev.record(s);
@@ -152,21 +174,39 @@ int main(int argc, char** argv) {
           }
         }), base, ns);
     // Through the loop.
-    for (auto m : {cuda::wait_mechanism::event_query, cuda::wait_mechanism::hybrid, cuda::wait_mechanism::host_func}) {
-      cuda::set_wait_options({m, std::chrono::microseconds(200)});
+    auto through_loop = [&](const char* label, cuda::wait_options o, bool stream_wait) {
+      cuda::set_wait_options(o);
       cuda::reset_wait_stats();
-      auto r = ctx.run(measure_co(iters, ns, s, ev, false));
+      auto sleeps0 = ctx.loop_sleeps();
+      auto r = ctx.run(measure_co(iters, ns, s, ev, stream_wait));
       auto st = cuda::get_wait_stats();
+      row(label, r, base, ns);
+      double w = double(st.waits ? st.waits : 1);
+      std::printf("  %-34s queries/wait %.1f  host funcs/wait %.2f  timed polls/wait %.1f  loop sleeps/wait %.1f\n", "",
+                  double(st.queries) / w, double(st.host_funcs) / w, double(st.timed_polls) / w,
+                  double(ctx.loop_sleeps() - sleeps0) / w);
+    };
+    for (auto m : {cuda::wait_mechanism::event_query, cuda::wait_mechanism::host_func, cuda::wait_mechanism::hybrid}) {
       char name[64];
       std::snprintf(name, sizeof name, "co_await event (%s)", cuda::to_string(m));
-      row(name, r, base, ns);
-      std::printf("  %-34s queries/wait %.1f  host funcs/wait %.2f  loop sleeps %llu\n", "", double(st.queries) / double(st.waits ? st.waits : 1),
-                  double(st.host_funcs) / double(st.waits ? st.waits : 1), (unsigned long long)ctx.loop_sleeps());
+      cuda::wait_options o;
+      o.mechanism = m;
+      through_loop(name, o, false);
     }
-    // co_await stream (records a pooled event), hybrid.
+    through_loop("co_await stream (hybrid)", {}, true);
+    // The hybrid's two settings, where they matter (waits past the spin window).
+    if (sweep && ns >= 200'000) {
+      for (int spin_us : {50, 100, 200})
+        for (unsigned div : {8u, 16u, 32u}) {
+          cuda::wait_options o;
+          o.spin = std::chrono::microseconds(spin_us);
+          o.sleep_divisor = div;
+          char name[64];
+          std::snprintf(name, sizeof name, "  hybrid spin %d us, age/%u", spin_us, div);
+          through_loop(name, o, false);
+        }
+    }
     cuda::set_wait_options({});
-    auto r = ctx.run(measure_co(iters, ns, s, ev, true));
-    row("co_await stream (hybrid)", r, base, ns);
   }
   ::close(efd);
   return 0;

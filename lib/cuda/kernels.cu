@@ -1,6 +1,8 @@
 // Kernels of shuttle/cuda/kernels.hpp.
 #include <shuttle/cuda/kernels.hpp>
 
+#include <atomic>
+
 namespace shuttle::cuda::kernels {
 
 namespace {
@@ -58,9 +60,20 @@ __global__ void spin_kernel(std::uint64_t ns) {
 
 __device__ unsigned g_sink;
 
+// The sink's address, looked up once per device rather than on every launch
+// (the launches sit on the loop thread of a pipeline, whose CPU the
+// transfer needs).
 unsigned* sink() {
+  constexpr int max_devices = 64;
+  static std::atomic<unsigned*> cache[max_devices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= max_devices) dev = -1;
+  if (dev >= 0) {
+    if (unsigned* p = cache[dev].load(std::memory_order_acquire)) return p;
+  }
   void* p = nullptr;
   cudaGetSymbolAddress(&p, g_sink);
+  if (dev >= 0 && p) cache[dev].store(static_cast<unsigned*>(p), std::memory_order_release);
   return static_cast<unsigned*>(p);
 }
 }  // namespace

@@ -8,7 +8,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
+#include <chrono>
+#include <deque>
 #include <vector>
 
 namespace shuttle::cuda {
@@ -24,7 +25,25 @@ std::uint64_t get64(const std::byte* p) {
   for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(p[i]) << (8 * i);
   return v;
 }
+// A credit message: the number of slots handed back, 32-bit little-endian.
+constexpr std::size_t credit_size = 4;
+void put32(std::byte* p, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
+}
+std::uint32_t get32(const std::byte* p) {
+  std::uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(p[i]) << (8 * i);
+  return v;
+}
 std::error_code protocol() { return make_error_code(errc::protocol_error); }
+
+using clock = std::chrono::steady_clock;
+
+// How far producers run ahead of the copies: the bounce buffers on the
+// wire plus a margin that absorbs the wire's jitter (a slow stretch of the
+// sender's loop), so that the GPU does not run dry of producer work while
+// the loop catches up. It costs an event per chunk of lookahead.
+std::size_t lookahead_for(std::size_t bounce_buffers) { return std::max<std::size_t>(16, 4 * bounce_buffers); }
 }  // namespace
 
 // ------------------------------------------------------------------ sender
@@ -40,9 +59,9 @@ struct gpu_sender::state {
   std::uint64_t seq = 0;
   std::vector<pinned_buffer> bounce;
   std::vector<memory_region> bounce_mr;
-  std::vector<event> ev;       // per bounce buffer: its D2H copy is done
-  std::vector<event> prod_ev;  // per bounce buffer: the producer work before the copy is done
-  stream copy;                 // D2H copies: producer work of the next chunk is not queued behind them
+  std::vector<event> ev;       // per bounce buffer: its chunk's data is ready (D2H copy, or producer when direct)
+  std::vector<event> prod_ev;  // per lookahead position: the producer work of a chunk is done
+  stream copy;                 // D2H copies: producer work of later chunks is not queued behind them
   gpu_path path = gpu_path::staged;
   transfer_stats st;
 };
@@ -54,6 +73,7 @@ gpu_sender::~gpu_sender() = default;
 gpu_path gpu_sender::path() const noexcept { return s_ ? s_->path : gpu_path::staged; }
 std::size_t gpu_sender::chunk_size() const noexcept { return s_ ? s_->chunk : 0; }
 const transfer_stats& gpu_sender::stats() const noexcept { return s_->st; }
+std::size_t gpu_sender::lookahead() const noexcept { return s_ ? s_->prod_ev.size() : 0; }
 
 task<result<gpu_sender>> gpu_sender::open(connection& c, domain& d, gpu_registry* reg, unsigned sender_buffers) {
   auto m = co_await c.recv();
@@ -73,11 +93,11 @@ task<result<gpu_sender>> gpu_sender::open(connection& c, domain& d, gpu_registry
     for (unsigned i = 0; i < nb; ++i) {
       s->bounce.emplace_back(s->chunk);
       s->ev.emplace_back();
-      s->prod_ev.emplace_back();
       auto mr = d.register_memory(s->bounce.back().span(), access::local_write);
       if (!mr) co_return mr.error();
       s->bounce_mr.push_back(std::move(*mr));
     }
+    for (std::size_t i = 0, n = lookahead_for(nb); i < n; ++i) s->prod_ev.emplace_back();
   } catch (const std::system_error& e) {
     co_return e.code();
   }
@@ -102,30 +122,41 @@ task<result<void>> gpu_sender::send(const void* src, std::size_t len, cudaStream
     }
   }
   const auto* base = static_cast<const std::byte*>(src);
+  const std::size_t la = st.prod_ev.size();
 
-  channel<std::size_t> ready(nb);
-  semaphore free_slots(nb);
+  channel<std::size_t> ready(nb);  // chunks whose copy is enqueued, for the writer
+  semaphore free_buffers(nb);
   std::error_code err;
+  auto fail = [&](std::error_code e) {
+    if (!err) err = e;
+  };
   async_scope writes;
 
   auto copier = [&]() -> task<void> {
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!co_await free_slots.acquire() || err) break;
-      std::size_t off = i * st.chunk, sz = std::min(st.chunk, len - off), b = i % nb;
-      if (before) before(i, off, sz, strm);
-      // The copy runs on the channel's copy stream after what `strm` holds now.
-      cudaError_t e = cudaSuccess;
-      if (direct) {
-        e = cudaEventRecord(st.ev[b].get(), strm);
-      } else {
-        e = cudaEventRecord(st.prod_ev[b].get(), strm);
-        if (e == cudaSuccess) e = cudaStreamWaitEvent(st.copy.get(), st.prod_ev[b].get(), 0);
-        if (e == cudaSuccess)
-          e = cudaMemcpyAsync(st.bounce[b].data(), base + off, sz, cudaMemcpyDeviceToHost, st.copy.get());
-        if (e == cudaSuccess) e = cudaEventRecord(st.ev[b].get(), st.copy.get());
+    std::size_t produced = 0;
+    for (std::size_t i = 0; i < n && !err; ++i) {
+      // Chunk i's producer writes only its own range of `src`: producers run
+      // ahead of the copies, bounded by the lookahead events (prod_ev[j % la]
+      // is recorded again for chunk j + la only after chunk j's copy was
+      // made to wait for it).
+      for (; produced < n && produced < i + la; ++produced) {
+        std::size_t off = produced * st.chunk, sz = std::min(st.chunk, len - off);
+        if (before) before(produced, off, sz, strm);
+        if (cudaError_t e = cudaEventRecord(st.prod_ev[produced % la].get(), strm); e != cudaSuccess) {
+          fail(make_error_code(e));
+          break;
+        }
       }
+      if (err || !co_await free_buffers.acquire() || err) break;
+      std::size_t off = i * st.chunk, sz = std::min(st.chunk, len - off), b = i % nb;
+      // The copy stream waits for chunk i's producer only, not for the
+      // producers enqueued after it.
+      cudaError_t e = cudaStreamWaitEvent(st.copy.get(), st.prod_ev[i % la].get(), 0);
+      if (e == cudaSuccess && !direct)
+        e = cudaMemcpyAsync(st.bounce[b].data(), base + off, sz, cudaMemcpyDeviceToHost, st.copy.get());
+      if (e == cudaSuccess) e = cudaEventRecord(st.ev[b].get(), st.copy.get());
       if (e != cudaSuccess) {
-        if (!err) err = make_error_code(e);
+        fail(make_error_code(e));
         break;
       }
       if (!co_await ready.send(i)) break;
@@ -135,42 +166,60 @@ task<result<void>> gpu_sender::send(const void* src, std::size_t len, cudaStream
 
   auto one_write = [&](std::span<const std::byte> local, remote_buffer remote, std::uint32_t imm) -> task<void> {
     auto r = co_await st.c->write_with_imm(local, remote, imm);
-    if (!r && !err) err = r.error();
-    free_slots.release();
+    if (!r) fail(r.error());
+    free_buffers.release();
+  };
+
+  // Credits come back as messages carrying a count (batched by the
+  // receiver); they are read only when none is left, so a transfer that
+  // never runs out reads them at the start of the next one.
+  auto take_credits = [&]() -> task<void> {
+    while (st.credits == 0 && !err) {
+      auto m = co_await st.c->recv();
+      if (!m) {
+        fail(m.error());
+        break;
+      }
+      std::uint32_t v = m->size() == credit_size ? get32(m->data().data()) : 0;
+      if (m->size() != credit_size || m->imm() || v == 0 || v > st.slots - st.credits) {
+        fail(protocol());
+        break;
+      }
+      st.credits += v;
+      ++st.st.credit_messages;
+    }
   };
 
   auto writer = [&]() -> task<void> {
     for (std::size_t i = 0; i < n; ++i) {
+      // The copier is held up only by bounce buffers (producers run ahead):
+      // waiting here means every buffer is on the wire.
+      auto t0 = clock::now();
       auto r = co_await ready.receive();
       if (!r || err) break;
       std::size_t off = i * st.chunk, sz = std::min(st.chunk, len - off), b = i % nb;
+      auto tr = clock::now();
+      st.st.buffer_wait += tr - t0;
       if (auto w = co_await wait(st.ev[b].get()); !w) {
-        if (!err) err = w.error();
+        fail(w.error());
         break;
       }
-      while (st.credits == 0 && !err) {
+      auto t1 = clock::now();
+      st.st.data_wait += t1 - tr;
+      if (st.credits == 0) {
         ++st.st.credit_waits;
-        auto m = co_await st.c->recv();
-        if (!m) {
-          err = m.error();
-          break;
-        }
-        if (m->size() != 4) {
-          err = protocol();
-          break;
-        }
-        std::uint32_t v = 0;
-        std::memcpy(&v, m->data().data(), 4);
-        st.credits += v;
+        co_await take_credits();
+        st.st.credit_wait += clock::now() - t1;
+        if (err) break;
       }
-      if (err) break;
       std::uint64_t slot = st.seq % st.slots;
       auto remote = st.ring.slice(slot * st.chunk, sz);
       if (!remote) {
-        err = remote.error();
+        fail(remote.error());
         break;
       }
-      std::span<const std::byte> local = direct ? std::span(base + off, sz) : std::span<const std::byte>(st.bounce[b].data(), sz);
+      std::span<const std::byte> local =
+          direct ? std::span(base + off, sz) : std::span<const std::byte>(st.bounce[b].data(), sz);
       --st.credits;
       ++st.seq;
       st.st.bytes += sz;
@@ -179,7 +228,7 @@ task<result<void>> gpu_sender::send(const void* src, std::size_t len, cudaStream
     }
     if (err) {
       ready.close();
-      free_slots.release(nb);  // unblock the copier
+      free_buffers.release(nb);  // unblock the copier
     }
   };
 
@@ -240,18 +289,23 @@ task<result<void>> gpu_receiver::recv(void* dst, std::size_t len, cudaStream_t s
   const std::size_t chunk = st.o.chunk, slots = st.o.receiver_slots;
   const std::size_t n = (len + chunk - 1) / chunk;
   auto* base = static_cast<std::byte*>(dst);
-  channel<std::size_t> copied(slots);
+  std::deque<std::size_t> copying;  // slots whose H2D copy is enqueued, oldest first
+  semaphore queued(0);              // one unit per entry of `copying`, one more when receiving ends
   std::error_code err;
+  auto fail = [&](std::error_code e) {
+    if (!err) err = e;
+  };
+  async_scope credit_sends;
 
   auto receiver = [&]() -> task<void> {
-    for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t i = 0; i < n && !err; ++i) {
       auto m = co_await st.c->recv();
       if (!m) {
-        if (!err) err = m.error();
+        fail(m.error());
         break;
       }
       if (!m->imm() || *m->imm() != static_cast<std::uint32_t>(st.seq)) {
-        if (!err) err = protocol();
+        fail(protocol());
         break;
       }
       std::size_t slot = st.seq % slots, off = i * chunk, sz = std::min(chunk, len - off);
@@ -263,36 +317,51 @@ task<result<void>> gpu_receiver::recv(void* dst, std::size_t len, cudaStream_t s
       if (e == cudaSuccess) e = cudaEventRecord(st.ev[slot].get(), st.copy.get());
       if (e == cudaSuccess) e = cudaStreamWaitEvent(strm, st.ev[slot].get(), 0);
       if (e != cudaSuccess) {
-        if (!err) err = make_error_code(e);
+        fail(make_error_code(e));
         break;
       }
       if (after) after(i, off, sz, strm);
       st.st.bytes += sz;
       ++st.st.chunks;
-      if (!co_await copied.send(slot)) break;
+      copying.push_back(slot);
+      queued.release();
     }
-    copied.close();
+    queued.release();  // tells the crediter that nothing more comes
   };
+
+  auto send_credits = [&](std::uint32_t k) -> task<void> {
+    std::array<std::byte, credit_size> msg{};
+    put32(msg.data(), k);
+    if (auto r = co_await st.c->send(msg); !r) fail(r.error());
+  };
+
+  // Hands slots back as their copies finish, oldest first (the sender
+  // reuses them in order). A credit message is not awaited before the next
+  // slot is looked at: its acknowledgement can queue behind the sender's
+  // data writes, and the sender needs the credit, not the acknowledgement.
   auto crediter = [&]() -> task<void> {
     for (;;) {
-      auto slot = co_await copied.receive();
-      if (!slot) break;
-      if (auto w = co_await wait(st.ev[*slot].get()); !w) {
-        if (!err) err = w.error();
-        copied.close();
+      if (auto a = co_await queued.acquire(); !a) {
+        fail(a.error());  // cancelled
         break;
       }
-      std::uint32_t one = 1;
-      std::array<std::byte, 4> msg{};
-      std::memcpy(msg.data(), &one, 4);
-      if (auto r = co_await st.c->send(msg); !r) {
-        if (!err) err = r.error();
-        copied.close();
+      if (copying.empty()) break;  // the receiver's final unit
+      if (auto w = co_await wait(st.ev[copying.front()].get()); !w) {
+        fail(w.error());
         break;
       }
+      copying.pop_front();
+      std::uint32_t k = 1;
+      while (!copying.empty() && cudaEventQuery(st.ev[copying.front()].get()) == cudaSuccess && queued.try_acquire()) {
+        copying.pop_front();
+        ++k;
+      }
+      ++st.st.credit_messages;
+      credit_sends.spawn(send_credits(k));
     }
   };
   co_await when_all(receiver(), crediter());
+  co_await credit_sends.join();
   if (err) co_return err;
   co_return result<void>{};
 }

@@ -37,13 +37,55 @@ TEST_CASE("co_await event: resumes after the kernel, for every mechanism") {
     CHECK(ev.query());
     auto st = cuda::get_wait_stats();
     CHECK(st.waits == 1);
-    if (m == cuda::wait_mechanism::event_query) {
-      CHECK(st.host_funcs == 0);
-    } else {
-      CHECK(st.host_funcs == 1);
-      CHECK(ctx.loop_sleeps() > 0);  // the loop slept instead of spinning 3 ms
+    switch (m) {
+      case cuda::wait_mechanism::event_query:
+        CHECK(st.host_funcs == 0);
+        CHECK(st.timed_polls == 0);
+        break;
+      case cuda::wait_mechanism::hybrid:
+        // Past the 100 us spin window the loop sleeps between timed polls,
+        // each after 1/16 of the wait's age (10 us to 1 ms): a few dozen.
+        CHECK(st.host_funcs == 0);
+        CHECK(st.timed_polls > 0);
+        CHECK(st.timed_polls < 200);
+        CHECK(ctx.loop_sleeps() > 0);  // the loop slept instead of spinning 3 ms
+        break;
+      case cuda::wait_mechanism::host_func:
+        CHECK(st.host_funcs == 1);
+        CHECK(ctx.loop_sleeps() > 0);
+        break;
     }
   }
+}
+
+TEST_CASE("co_await: a sleeping poller is woken for a new wait; waits of both kinds complete") {
+  // One long wait puts the poller to sleep between timed polls; a short one
+  // started later must be polled on every turn again (not after the long
+  // wait's timed-poll slice), and both must resume.
+  io_context ctx;
+  cuda::stream a, b;
+  cuda::reset_wait_stats();
+  clk::time_point short_done{}, long_done{};
+  ctx.run([&]() -> task<void> {
+    auto long_wait = [&]() -> task<void> {
+      REQUIRE(cuda::kernels::spin(20'000'000, a) == cudaSuccess);  // 20 ms
+      CHECK((co_await cuda::wait(a.get())).has_value());
+      long_done = clk::now();
+    };
+    auto short_wait = [&]() -> task<void> {
+      (void)co_await sleep_for(10ms);  // the long wait's poller sleeps by now (slices up to ~600 us)
+      REQUIRE(cuda::kernels::spin(50'000, b) == cudaSuccess);
+      auto t0 = clk::now();
+      CHECK((co_await cuda::wait(b.get())).has_value());
+      short_done = clk::now();
+      CHECK(short_done - t0 < 400us);  // polled on every turn, not at the long wait's next slice
+    };
+    co_await when_all(long_wait(), short_wait());
+  }());
+  CHECK(short_done < long_done);
+  auto st = cuda::get_wait_stats();
+  CHECK(st.waits == 2);
+  CHECK(st.timed_polls > 0);
 }
 
 TEST_CASE("co_await: an event already complete does not suspend; stream waits") {

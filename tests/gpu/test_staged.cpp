@@ -102,3 +102,35 @@ TEST_CASE("pipeline: producer per chunk, consumer per chunk, checksums end to en
   (void)cudaFree(sums);
   ctx.run(gpu_test::close_pair(p));
 }
+
+TEST_CASE("staged: one bounce buffer and one slot; credits carry over between transfers") {
+  // The smallest ring: every chunk waits for the credit of the one before
+  // it, and the last credit of each transfer is read by the next one.
+  io_context ctx;
+  gpu_test::pair_t p;
+  ctx.run(gpu_test::make_pair(p));
+  cuda::gpu_sender snd;
+  cuda::gpu_receiver rcv;
+  cuda::staged_options o;
+  o.chunk = 64 << 10;
+  o.sender_buffers = 1;
+  o.receiver_slots = 1;
+  ctx.run(open_channel(p, snd, rcv, o));
+  CHECK(snd.lookahead() >= 2);
+  cuda::stream s_send, s_recv;
+  const std::size_t len = 20 * o.chunk + 5;
+  cuda::device_buffer src(len), dst(len);
+  for (unsigned round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    REQUIRE(cuda::kernels::fill_pattern(src.data(), len, 0, 40 + round, s_send) == cudaSuccess);
+    auto [a, b] = ctx.run(when_all(snd.send(src.data(), len, s_send), rcv.recv(dst.data(), len, s_recv)));
+    REQUIRE(a.has_value());
+    REQUIRE(b.has_value());
+    CHECK(gpu_test::device_checksum(dst.data(), len, 0, s_recv) == cuda::kernels::pattern_checksum(len, 0, 40 + round));
+  }
+  CHECK(snd.stats().chunks == 3 * 21);
+  CHECK(rcv.stats().chunks == 3 * 21);
+  // Every credit the receiver sent but the last was read by the sender.
+  CHECK(snd.stats().credit_messages + 1 == rcv.stats().credit_messages);
+  ctx.run(gpu_test::close_pair(p));
+}

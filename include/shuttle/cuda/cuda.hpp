@@ -6,22 +6,44 @@
 //   co_await cuda::wait(stream);  // records an event on the stream, awaits it
 //
 // How a wait is noticed, chosen by measurement on an H200
-// (bench/gpu/wait_bench.cpp; launch-to-wake of a spin kernel vs a spinning
-// cudaEventSynchronize in the same run): cudaEventQuery polled by the loop
-// matched cudaEventSynchronize (ratio 0.89-1.01 at 0 us to 2 ms kernels,
-// 100% of a CPU); a cuStreamWriteValue32 flag polled by the loop was as fast
-// (0.84-1.00) but needs a stream operation per wait and an event besides for
-// errors; cudaLaunchHostFunc writing an eventfd cost 30-160 us more per wake
-// (ratio 4.5 at 0 us, 1.07 at 2 ms) at 4-58% CPU. So the default, hybrid:
-// the thread's wait poller (a shuttle::poller) queries each pending event
-// with cudaEventQuery on every turn of the loop while the wait is younger
-// than `spin` (200 us); past that it arms a host function on an auxiliary
-// stream (cudaStreamWaitEvent + cudaLaunchHostFunc) that writes an eventfd
-// the loop watches, and the loop sleeps in io_uring. Measured: ratio <= 1.03
-// up to 200 us kernels, 1.06-1.08 at 2 ms with 14% CPU instead of 100%.
-// The host function only writes the eventfd: it never calls CUDA and never
-// blocks CUDA's callback thread, and it is not placed in the user's stream,
-// so it never delays the user's later work.
+// (bench/gpu/wait_bench.cpp: launch-to-wake of a spin kernel against a
+// thread spinning in cudaEventSynchronize with cudaDeviceScheduleSpin, in the
+// same run; its header keeps the table). The raw candidates: cudaEventQuery
+// polled matched cudaEventSynchronize (ratio 0.97-1.01 from 0 us to 2 ms
+// kernels, 100% of a CPU); a cuStreamWriteValue32 flag in pinned memory
+// polled was as fast (0.85-1.01) but needs a stream operation per wait and
+// an event besides for errors; cudaLaunchHostFunc writing an eventfd woke
+// 20-200 us late (ratio 3.0-5.5 at 0 us, 1.4-1.6 at 200 us, 1.08-1.10 at
+// 2 ms) at 4-130% CPU: the machine's interrupt-driven callback path is
+// slow. So the default, hybrid, polls with cudaEventQuery and sleeps on a
+// clock, not on a callback:
+//
+//  - while the youngest pending wait is younger than `spin`, the thread's
+//    wait poller (a shuttle::poller) queries every pending event on each
+//    turn of the loop. When the ring has been quiet for a while (no
+//    completion for 20 us, nothing to submit) poll() keeps re-querying for
+//    up to 5 us before handing the turn back, so the wake-up does not wait
+//    for an io_uring_enter and the loop makes fewer syscalls; a busy ring is
+//    never held up by it;
+//  - past `spin` the pending waits are queried once per slice, (age of the
+//    youngest) / `sleep_divisor` clamped to [10 us, 1 ms], so a wait is
+//    noticed within a fixed fraction of its length at a cost that grows
+//    with the logarithm of it: on a turn of the loop while the ring is busy
+//    (a staged transfer's sockets, whose CPU a query on every turn would
+//    take), from a ring timeout once the ring is quiet; then the poller
+//    leaves the loop's poll list and the loop sleeps in io_uring. A new wait
+//    puts the poller back on the poll list.
+//
+// Measured through co_await (ratio to cudaEventSynchronize, CPU; six
+// runs): 0 us kernel 0.90-1.04 and 20 us 0.96-1.02, both 100%; 200 us
+// 1.03-1.07 at 57-68%; 2 ms 1.03 at 15-19% (the old spin-then-host-function
+// hybrid: 1.12, 0.99, 1.02 at 113%, 1.09 at 15%). A larger sleep_divisor
+// buys a little latency for CPU (age/32: 2 ms 1.02 at 27%).
+//
+// host_func (a host function on an auxiliary stream, cudaStreamWaitEvent +
+// cudaLaunchHostFunc, writes an eventfd the loop watches) remains available;
+// it never calls CUDA from the callback, never blocks CUDA's callback thread
+// and is not placed in the user's stream, so it never delays later work.
 //
 // A completion made visible to a stream: cuda::stream_flag is a word in
 // mapped pinned memory; flag.enqueue_wait(stream, v) makes the stream wait
@@ -184,26 +206,33 @@ class event {
 
 // How the thread's wait poller notices completions.
 enum class wait_mechanism {
-  hybrid,       // cudaEventQuery while the wait is younger than `spin`, then a host function + eventfd
-  event_query,  // cudaEventQuery on every loop turn, never sleeps while a wait is pending
-  host_func,    // host function + eventfd at once (the loop sleeps)
+  hybrid,       // cudaEventQuery on every loop turn for `spin`, then timed polls from the ring (the loop sleeps)
+  event_query,  // cudaEventQuery on every loop turn; the loop never sleeps while a wait is pending
+  host_func,    // a host function writes an eventfd the loop watches; the loop sleeps until then
 };
 const char* to_string(wait_mechanism m) noexcept;
 
 struct wait_options {
   wait_mechanism mechanism = wait_mechanism::hybrid;
-  std::chrono::nanoseconds spin = std::chrono::microseconds(200);
+  // hybrid: how long after the youngest wait began the loop keeps polling
+  // on every turn before it sleeps between timed polls.
+  std::chrono::nanoseconds spin = std::chrono::microseconds(50);
+  // hybrid: a sleeping poller queries again after (age of the youngest
+  // wait) / sleep_divisor, clamped to [10 us, 1 ms]: the wake-up comes at
+  // most about 1/sleep_divisor of the wait late.
+  unsigned sleep_divisor = 16;
 };
 // Per thread; applies to waits that start afterwards.
 void set_wait_options(const wait_options& o) noexcept;
 wait_options get_wait_options() noexcept;
 
 struct wait_stats {
-  std::uint64_t waits = 0;      // awaits that suspended
-  std::uint64_t immediate = 0;  // awaits whose event was already complete
-  std::uint64_t queries = 0;    // cudaEventQuery calls by the poller
-  std::uint64_t host_funcs = 0; // host functions armed (long waits)
-  std::uint64_t wakeups = 0;    // eventfd wake-ups of the loop
+  std::uint64_t waits = 0;        // awaits that suspended
+  std::uint64_t immediate = 0;    // awaits whose event was already complete
+  std::uint64_t queries = 0;      // cudaEventQuery calls by the poller
+  std::uint64_t host_funcs = 0;   // host functions armed (host_func)
+  std::uint64_t wakeups = 0;      // eventfd wake-ups of the loop (host_func)
+  std::uint64_t timed_polls = 0;  // ring timeouts that woke the poller (hybrid, past `spin`)
   std::uint64_t cancelled = 0;
 };
 wait_stats get_wait_stats() noexcept;  // this thread's

@@ -3,29 +3,49 @@
 // memory).
 //
 //   sender                                   receiver
-//   producer(i) -> D2H copy into bounce b    ring of K pinned slots, registered
-//   (stream order, double-buffered)          remote-writable, described to the
-//   write_with_imm(bounce b -> slot i%K,     sender once (open()).
-//                  imm = i)          ---->   recv(): imm i -> H2D copy of slot
-//   waits for a credit per slot      <----   i%K on the consumer's stream, then
-//                                            after(i) enqueues the consumer
-//                                            kernel; once the copy is done the
-//                                            slot's credit goes back (send).
+//   producer(i) on the caller's stream,      ring of K pinned slots, registered
+//   up to `lookahead` chunks ahead           remote-writable, described to the
+//   D2H copy into bounce buffer i%B          sender once (open()).
+//   write_with_imm(bounce -> slot i%K,       recv(): imm i -> H2D copy of slot
+//                  imm = i)          ---->   i%K on the channel's copy stream,
+//   needs a credit (a free slot)     <----   after(i) enqueues the consumer;
+//                                            slots whose copies are done go
+//                                            back as credits, batched.
 //
-// The copies run on the channel's own copy streams, ordered with the
-// caller's stream by events: the D2H copy of chunk i waits for the work
-// enqueued on the caller's stream before it (cudaStreamWaitEvent), so the
-// producer of chunk i+1 runs while chunk i is copied and on the wire; the
-// caller's stream waits for the H2D copy of chunk i before after(i)
-// enqueues the consumer there (received data is visible to the consumer
-// kernel), and the copy of chunk i+1 does not wait for that consumer.
+// What keeps the pipe full:
+//  - producers are not tied to bounce buffers: chunk i's producer writes only
+//    its own range of the source, so before(i) runs up to `lookahead` chunks
+//    ahead of chunk i's copy, and the GPU produces chunk i+1.. while chunk i
+//    is copied and on the wire;
+//  - the copies run on the channel's own copy streams, ordered with the
+//    caller's streams by events: a D2H copy waits only for its producer, the
+//    consumer's stream waits for its H2D copy (received data is visible to
+//    the consumer kernel), and the H2D copy of chunk i+1 does not wait for
+//    chunk i's consumer;
+//  - a slot is handed back as soon as its H2D copy is done, not after the
+//    consumer; credits whose copies finished together travel in one message,
+//    and a credit message never waits for the acknowledgement of the one
+//    before it (on the tcp provider that acknowledgement queues behind the
+//    sender's multi-megabyte writes).
+//
+// On an H200 over the tcp provider (one loop, loopback, 512 MiB, kernels
+// calibrated to at least 0.9 of the transfer time, each time the best of
+// three; bench/gpu/pipeline_bench.cpp) this reaches 0.98-1.04 of
+// max(kernel time, transfer time) with 2 MiB chunks, 2 bounce buffers and 4
+// slots (0.58 before), 2 MiB / 3 / 8 (0.98 before) and 1 MiB / 4 / 8 (0.67
+// before). In 2 of 24 such measurements the loopback transfer, CPU-bound on
+// the loop thread and varying by tens of percent from one run to the next,
+// was slow through all three pipelined runs (0.75, 0.79).
 //
 // While a transfer runs the connection belongs to it (its recv() reads the
-// credits). A sender whose source range the gpu_registry registers directly
+// credits). A transfer that fails on one side (a CUDA error, cancellation)
+// leaves the channel out of step: the other side may wait until the
+// connection is closed, so close it. A sender whose source range the gpu_registry registers directly
 // (dmabuf / peermem on a verbs domain) writes from device memory and skips
 // the copy; path() reports what was used.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -39,22 +59,30 @@ namespace shuttle::cuda {
 
 struct staged_options {
   std::size_t chunk = std::size_t(1) << 20;  // bytes per write
-  // Pinned bounce buffers of the sender and ring slots of the receiver (the
-  // sender's credits). 2 is plain double-buffering; on the H200 over the tcp
-  // provider (one loop, loopback, 512 MiB, kernels as costly as the
-  // transfer) 2/4 reached 0.48 of max(kernel, transfer) and 4/8 0.94
-  // (bench/gpu/pipeline_bench.cpp), hence the defaults.
-  unsigned sender_buffers = 4;
+  // Pinned bounce buffers of the sender (writes in flight) and ring slots of
+  // the receiver (the sender's credits). A slot is busy from its write until
+  // its H2D copy is done, so slots cover the writes in flight plus the
+  // credit's way back; the receiver's credit messages take receive buffers
+  // of the connection, so receiver_slots must not exceed the sender
+  // connection's connection_options::receive_buffers (64 by default).
+  unsigned sender_buffers = 3;
   unsigned receiver_slots = 8;
 };
-
 // (chunk index in the transfer, byte offset, bytes, the transfer's stream)
 using chunk_fn = std::function<void(std::size_t index, std::size_t offset, std::size_t size, cudaStream_t s)>;
 
 struct transfer_stats {
   std::uint64_t bytes = 0;
   std::uint64_t chunks = 0;
-  std::uint64_t credit_waits = 0;  // the sender waited for the receiver to free a slot
+  std::uint64_t credit_waits = 0;     // sender: chunks that found no credit at hand (it then reads credit messages)
+  std::uint64_t credit_messages = 0;  // credit messages read (sender) or sent (receiver)
+  // Sender: time the writer waited for a free bounce buffer (every one on
+  // the wire: the transport is the bottleneck), for a chunk's data (its
+  // producer or D2H copy not done: the GPU is) and for credits (receiver
+  // slots: the receiver is).
+  std::chrono::nanoseconds buffer_wait{0};
+  std::chrono::nanoseconds data_wait{0};
+  std::chrono::nanoseconds credit_wait{0};
 };
 
 class gpu_sender {
@@ -67,14 +95,16 @@ class gpu_sender {
   // Reads the receiver's ring description (the first message on `c`).
   // `reg` (optional) selects direct writes from device memory where it can.
   static task<result<gpu_sender>> open(connection& c, domain& d, gpu_registry* reg = nullptr,
-                                       unsigned sender_buffers = 4);
+                                       unsigned sender_buffers = staged_options{}.sender_buffers);
 
-  // Sends device memory [src, src+len); before(i, off, n, s) runs just before
-  // chunk i's copy is enqueued on `s` (enqueue the producer of the chunk
-  // there). Completes when every chunk has been written (and so acknowledged
-  // by the transport).
+  // Sends device memory [src, src+len). before(i, off, n, s) enqueues chunk
+  // i's producer on `s`: it is called in chunk order, up to lookahead()
+  // chunks ahead of chunk i's copy, and the copy waits for what `s` holds
+  // when it returns. Completes when every chunk has been written (and so
+  // acknowledged by the transport).
   task<result<void>> send(const void* src, std::size_t len, cudaStream_t s, chunk_fn before = {});
 
+  std::size_t lookahead() const noexcept;
   gpu_path path() const noexcept;  // of the last send
   std::size_t chunk_size() const noexcept;
   const transfer_stats& stats() const noexcept;
@@ -96,9 +126,10 @@ class gpu_receiver {
   static task<result<gpu_receiver>> open(connection& c, domain& d, staged_options o = {});
 
   // Receives `len` bytes into device memory [dst, dst+len): per chunk, the
-  // H2D copy is enqueued on `s`, then after(i, off, n, s) (enqueue the
-  // consumer there: it sees the data). Completes when every chunk's copy has
-  // finished and its slot was handed back.
+  // H2D copy is enqueued on the channel's copy stream and `s` waits for it,
+  // then after(i, off, n, s) runs (enqueue the consumer on `s`: it sees the
+  // data). Completes when every chunk's copy has finished and its slot was
+  // handed back.
   task<result<void>> recv(void* dst, std::size_t len, cudaStream_t s, chunk_fn after = {});
 
   std::size_t chunk_size() const noexcept;
