@@ -4,7 +4,8 @@
 # same run (order alternated per point). Prints a table of ratios:
 #   write_bw, read_bw at 64 KiB, 1 MiB, 4 MiB:   shuttle / UCX ucp_put_bw|ucp_get   (target >= 1.2)
 #                                               shuttle write_bw / iperf3           (target >= 0.8)
-#   write_lat at 8 B, 64 KiB, 1 MiB, 4 MiB:      shuttle / UCX ucp_put_lat, typical (target <= 1.0)
+#   write_lat at 8 B, 64 KiB, 1 MiB, 4 MiB:      shuttle / UCX ucp_put_lat, typical (target <= 1.0),
+#                                               medians of LAT_REPS (3) alternated runs
 # Bandwidths are MB/s with MB = 2^20 (perftest's and ucx_perftest's unit).
 # Server and client share this machine's cores: the ratios matter, not the
 # absolute numbers.
@@ -109,11 +110,17 @@ for size in 65536 1048576 4194304; do
     printf "%-10s %-8s %12s %12s %8s %12s %8s %s\n" $t $size "$s" "$b" "$r" "$ip" "$ri" "$v"
   done
 done
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+# Latency: the median of LAT_REPS (default 3) alternated runs of each.
 for size in 8 65536 1048576 4194304; do
   n=$(( $(iters_for $size) / 4 )); [ $n -gt 5000 ] && n=5000; [ $n -lt 100 ] && n=100
-  if [ $flip = 0 ]; then s=$(shuttle write_lat $size $n 1); b=$(ucx ucp_put_lat $size $n 1)
-  else b=$(ucx ucp_put_lat $size $n 1); s=$(shuttle write_lat $size $n 1); fi
-  flip=$((1 - flip))
+  ss=() bs=()
+  for _ in $(seq "${LAT_REPS:-3}"); do
+    if [ $flip = 0 ]; then ss+=("$(shuttle write_lat $size $n 1)"); bs+=("$(ucx ucp_put_lat $size $n 1)")
+    else bs+=("$(ucx ucp_put_lat $size $n 1)"); ss+=("$(shuttle write_lat $size $n 1)"); fi
+    flip=$((1 - flip))
+  done
+  s=$(median "${ss[@]}") b=$(median "${bs[@]}")
   r=$(ratio "$s" "$b")
   printf "%-10s %-8s %12s %12s %8s %12s %8s %s\n" write_lat $size "$s" "$b" "$r" - - "$(verdict "$r" "<=" 1.0)"
 done
