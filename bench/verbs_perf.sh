@@ -8,6 +8,14 @@
 # of one run mean anything. Targets: bw ratio >= 1.0, lat ratio <= 1.05
 # (t_typical), msg-rate ratio >= 1.0.
 #
+# Fair defaults on both sides: depth 128 (perftest's tx_depth). shuttle-perf
+# posts batches of 32 (post_batch: one ibv_post_send of 32 chained WRs, the
+# last one signaled; four batches in flight); perftest signals one WR in 100
+# (--cq-mod 100, its default) and posts them one by one (--post_list 1).
+# Both latency sides busy-poll (perftest spins on the CQ; shuttle-perf's
+# --spin-us 5000 keeps its loop polling). The load average of the host is
+# printed first: a loaded host makes every number (latency above all) noise.
+#
 # Usage: bench/verbs_perf.sh [BUILD_DIR]
 # (needs the perftest package and tests/softrdma/install-deps.sh's packages)
 set -euo pipefail
@@ -70,7 +78,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     else p=$(perftest $metric $pargs); s=$(shuttle $sargs $metric); fi
     flip=$((1 - flip))
     local r v
-    r=$(python3 -c "import math; s,p=float('$s'),float('$p'); print('nan' if math.isnan(s) or math.isnan(p) or p==0 else '%.3f' % (s/p))")
+    r=$(python3 -c "import math; s,p=float('$s'),float('$p'); print('nan' if not math.isfinite(s) or not math.isfinite(p) or p==0 else '%.3f' % (s/p))")
     v=$(python3 -c "r=float('$r'); print('ok' if r == r and r $op $target else 'MISS')")
     printf "%-9s %-7s %-6s %12s %12s %8s %8s %s\n" $name $size $metric "$s" "$p" "$r" "$op$target" $v
   }
@@ -97,6 +105,7 @@ for b in ib_write_bw ib_read_bw ib_send_bw ib_write_lat ib_send_lat ib_read_lat;
   command -v $b >/dev/null || { echo "verbs_perf.sh: $b not found (apt-get install perftest)" >&2; exit 1; }
 done
 perf=$(readlink -f "$build/examples/shuttle-perf")
+echo "# host load average: $(cut -d' ' -f1-3 /proc/loadavg) ($(nproc) cores)"
 echo "# verbs_perf: shuttle-perf (verbs provider) vs perftest $(dpkg-query -W -f='${Version}' perftest 2>/dev/null)," \
   "Soft-RoCE rxe0 in a TCG guest (2 vCPUs, RoCE MTU 4096); bw MB/s (2^20) average, lat t_typical usec"
 set +e

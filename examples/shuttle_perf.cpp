@@ -4,7 +4,7 @@
 //   server: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]
 //   client: shuttle-perf HOST [--transport ...] [--port P]
 //             --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic
-//             [--size S | --sweep] [--iters N] [--depth D] [--warmup N] [--json]
+//             [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--warmup N] [--json]
 //
 // The client tells the server what it will run (a hello: test, largest size,
 // depth, the client's own remote_buffer); the server registers a buffer and
@@ -14,17 +14,29 @@
 // for the latency ping-pongs) and verifies what landed in its memory (write_bw:
 // every slot holds the pattern; atomic: the counter holds the number of adds).
 //
-// Bandwidth tests keep D operations in flight with D worker coroutines that
-// each issue the next operation as soon as their previous one completes.
+// Bandwidth tests keep D operations in flight: D/B worker coroutines, each
+// posting a batch of B operations (connection::post_batch: on verbs one
+// ibv_post_send of B chained WRs with only the last one signaled) as soon as
+// its previous batch completes. This is perftest's post list and completion
+// moderation (ib_*_bw: --post_list, --cq-mod, 100 by default) in one knob.
+// The default B is D/4 (32 at the default depth 128, at most 64): four
+// batches in flight, so the send queue never drains while a worker waits for
+// its completion; B = 1 is one signaled operation at a time (no batching).
+// atomic is never batched (each fetch_and_add returns a value).
 // write_lat is a ping-pong of RDMA writes where each side polls its own
 // registered memory for the peer's new value (the last byte, as perftest);
 // send_lat a ping-pong of sends; both report half the round trip. read_lat
 // times serial reads. atomic is a fetch_and_add rate test (8 B, D in flight).
+// Latency tests busy-poll as perftest does: --spin-us (default 5000) is how
+// long the loop keeps polling the CQ (verbs: the domain's busy-poll budget
+// and the loop's spin budget) and the io_uring ring (tcp: ring_spin_budget)
+// after the last completion before it sleeps.
 //
 // Output: perftest's table (MB = 2^20 bytes, as perftest), and with --json one
 // JSON object per row on its own line. Errors: a message on stderr, exit 1.
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
+#include <shuttle/verbs/verbs.hpp>
 
 #include <algorithm>
 #include <array>
@@ -147,14 +159,17 @@ bool has_pattern(const std::byte* p, std::size_t size) {
 
 // Waits until the byte at `p` reads `v`. The tcp provider places data from
 // our own loop, so every miss yields to it; on verbs the NIC places it, so we
-// spin on memory (as perftest) and yield only now and then.
+// spin on memory (as perftest) and yield to the loop every few hundred
+// reads. Not longer: on Soft-RoCE the "NIC" is kernel softirq work that a
+// process spinning in user space starves until the next scheduler tick
+// (milliseconds); the loop's turn enters the kernel, where it can run.
 bool spin_on_memory = false;
 task<void> poll_byte(const std::byte* p, std::byte v) {
   auto* b = reinterpret_cast<const unsigned char*>(p);
   const auto want = static_cast<unsigned char>(v);
   for (;;) {
     if (spin_on_memory) {
-      for (int i = 0; i < (1 << 14); ++i) {
+      for (int i = 0; i < 256; ++i) {
         if (__atomic_load_n(b, __ATOMIC_ACQUIRE) == want) co_return;
         __builtin_ia32_pause();
       }
@@ -181,6 +196,7 @@ struct options {
   std::uint64_t iters = 0;  // 0: 5000 (bw) / 1000 (lat)
   std::optional<std::uint64_t> warmup;
   std::uint64_t depth = 0;  // 0: 128 (bw) / 1 (lat)
+  std::uint64_t batch = 0;  // 0: depth/4, 1..64 (bw); 1 (lat, atomic)
   bool json = false;
   bool loop = false;
   std::uint32_t rx_depth = 512;
@@ -193,11 +209,14 @@ void usage(FILE* f) {
       "usage: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]        (server)\n"
       "       shuttle-perf HOST [--transport tcp|verbs] [--port P]\n"
       "                    --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic\n"
-      "                    [--size S | --sweep] [--iters N] [--depth D] [--warmup N] [--json]  (client)\n"
+      "                    [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--warmup N] [--json]\n"
+      "                                                                                      (client)\n"
       "common: --device NAME (verbs, e.g. rxe0)  --gid-index N (verbs)  --rx-depth N (posted receives, 512)\n"
       "        --spin-us N (busy-poll the completion queue this long after the last completion, 5000)\n"
       "        --write-lat-method poll|imm|auto (write_lat: poll memory, or write_with_imm ping-pong;\n"
       "                                          auto: poll on verbs, imm on tcp)\n"
+      "        --batch B (bw: operations per post_batch, one signaled completion each; default depth/4 in\n"
+      "                   1..64, i.e. 32 at depth 128; 1: every operation signaled, no post list)\n"
       "sizes take K/M suffixes (4K = 4096). Defaults: bw 64K x5000 depth 128, lat 2 B x1000, atomic 8 B.\n",
       f);
 }
@@ -258,6 +277,9 @@ options parse_args(int argc, char** argv) {
     } else if (k == "--depth" || k == "-D") {
       o.depth = parse_size(val(), "--depth");
       if (o.depth == 0 || o.depth > 65536) fail("--depth must be in 1..65536");
+    } else if (k == "--batch" || k == "-l") {
+      o.batch = parse_size(val(), "--batch");
+      if (o.batch == 0 || o.batch > 65536) fail("--batch must be in 1..65536");
     } else if (k == "--rx-depth") {
       o.rx_depth = static_cast<std::uint32_t>(parse_size(val(), "--rx-depth"));
       if (o.rx_depth == 0 || o.rx_depth > 65536) fail("--rx-depth must be in 1..65536");
@@ -291,6 +313,9 @@ domain open_domain(const options& o) {
   d.gid_index = o.gid_index;
   auto dom = check(domain::open(d), "opening the transport domain");
   spin_on_memory = dom.kind() == transport_kind::verbs;
+  // Busy-poll the CQ as long as the loop spins (perftest spins on the CQ).
+  if (dom.kind() == transport_kind::verbs)
+    check(verbs::set_busy_poll_budget(dom, std::chrono::microseconds(o.spin_us)), "set_busy_poll_budget");
   return dom;
 }
 
@@ -441,26 +466,50 @@ struct client_state {
 
 // D workers, each issues its next operation when the previous completes; the
 // completion times go to `done` (in completion order).
-task<void> bw_worker(client_state& s, test_id t, std::uint64_t size, std::uint64_t slot, std::uint64_t& next,
-                     std::uint64_t total, std::vector<clock::time_point>& done) {
-  std::span<std::byte> local(s.local->p + slot * size, size);
-  remote_buffer rb = check(s.server.slice(slot * size, size), "remote slice");
-  if (t == test_id::atomic) rb = check(s.server.slice(0, 8), "remote slice");
-  while (next < total) {
-    ++next;
+task<void> bw_worker(client_state& s, test_id t, std::uint64_t size, std::uint64_t first_slot, std::uint64_t slots,
+                     std::uint64_t batch, std::uint64_t& next, std::uint64_t total,
+                     std::vector<clock::time_point>& done) {
+  if (t == test_id::atomic || batch == 1) {
+    std::span<std::byte> local(s.local->p + first_slot * size, size);
+    remote_buffer rb = check(s.server.slice(first_slot * size, size), "remote slice");
+    if (t == test_id::atomic) rb = check(s.server.slice(0, 8), "remote slice");
+    while (next < total) {
+      ++next;
+      switch (t) {
+        case test_id::write_bw: check(co_await s.c.write(local, rb), "write"); break;
+        case test_id::read_bw: check(co_await s.c.read(local, rb), "read"); break;
+        case test_id::send_bw: check(co_await s.c.send(local), "send"); break;
+        case test_id::atomic: (void)check(co_await s.c.fetch_and_add(rb, 1), "fetch_and_add"); break;
+        default: fail("not a bandwidth test");
+      }
+      done.push_back(clock::now());
+    }
+    co_return;
+  }
+  // The worker's batch, built once: operation j uses slot first_slot + j (mod slots).
+  std::vector<operation> ops;
+  for (std::uint64_t j = 0; j < batch; ++j) {
+    std::uint64_t slot = (first_slot + j) % slots;
+    std::span<std::byte> local(s.local->p + slot * size, size);
+    remote_buffer rb = check(s.server.slice(slot * size, size), "remote slice");
     switch (t) {
-      case test_id::write_bw: check(co_await s.c.write(local, rb), "write"); break;
-      case test_id::read_bw: check(co_await s.c.read(local, rb), "read"); break;
-      case test_id::send_bw: check(co_await s.c.send(local), "send"); break;
-      case test_id::atomic: (void)check(co_await s.c.fetch_and_add(rb, 1), "fetch_and_add"); break;
+      case test_id::write_bw: ops.push_back(operation::write(local, rb)); break;
+      case test_id::read_bw: ops.push_back(operation::read(local, rb)); break;
+      case test_id::send_bw: ops.push_back(operation::send(local)); break;
       default: fail("not a bandwidth test");
     }
-    done.push_back(clock::now());
+  }
+  while (next < total) {
+    std::uint64_t n = std::min(batch, total - next);
+    next += n;
+    check(co_await s.c.post_batch(std::span<const operation>(ops.data(), n)), "post_batch");
+    auto now = clock::now();
+    for (std::uint64_t j = 0; j < n; ++j) done.push_back(now);
   }
 }
 
 task<bw_row> run_bw(client_state& s, test_id t, std::uint64_t size, std::uint64_t iters, std::uint64_t warmup,
-                    std::uint64_t depth) {
+                    std::uint64_t depth, std::uint64_t batch) {
   const std::uint64_t slots = slots_for(s.local->n, size, depth);
   if (t == test_id::write_bw || t == test_id::send_bw)
     for (std::uint64_t i = 0; i < slots; ++i) fill_pattern(s.local->p + i * size, size);
@@ -469,8 +518,9 @@ task<bw_row> run_bw(client_state& s, test_id t, std::uint64_t size, std::uint64_
   auto phase = [&](std::uint64_t n, std::vector<clock::time_point>& done) -> task<void> {
     std::uint64_t next = 0;
     std::vector<task<void>> workers;
-    for (std::uint64_t w = 0; w < std::min(depth, n); ++w)
-      workers.push_back(bw_worker(s, t, size, w % slots, next, n, done));
+    const std::uint64_t nworkers = std::max<std::uint64_t>(1, depth / batch);
+    for (std::uint64_t w = 0; w < std::min(nworkers, n); ++w)
+      workers.push_back(bw_worker(s, t, size, (w * batch) % slots, slots, batch, next, n, done));
     co_await when_all(std::move(workers));
   };
   std::vector<clock::time_point> done;
@@ -509,18 +559,34 @@ lat_row lat_stats(std::vector<double> v, std::uint64_t size) {
   return r;
 }
 
+// Latency timestamps: the TSC where there is one (as perftest's get_cycles),
+// converted with the rate measured against steady_clock over the run. A
+// clock_gettime is microseconds where the clocksource is HPET (a TCG guest):
+// too much for a per-iteration stamp.
+struct stamp_clock {
+#if defined(__x86_64__) || defined(__i386__)
+  static std::uint64_t now() noexcept { return __builtin_ia32_rdtsc(); }
+#else
+  static std::uint64_t now() noexcept {
+    return static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+#endif
+};
+
 task<lat_row> run_lat(client_state& s, test_id t, std::uint64_t size, std::uint64_t iters, std::uint64_t warmup,
                       bool imm) {
   const std::uint64_t total = iters + warmup;
-  std::vector<clock::time_point> ts;
+  std::vector<std::uint64_t> ts;
   ts.reserve(total + 1);
+  const auto wall0 = clock::now();
+  const auto tick0 = stamp_clock::now();
   remote_buffer rb = check(s.server.slice(0, size), "remote slice");
   std::span<std::byte> local(s.local->p, size);
   std::memset(local.data(), 0, size);
   if (t == test_id::write_lat) {
     const std::byte* flag = s.pong->p + size - 1;
     for (std::uint64_t i = 0; i < total && imm; ++i) {
-      ts.push_back(clock::now());
+      ts.push_back(stamp_clock::now());
       local[size - 1] = lat_marker(i);
       auto [wr, rr] = co_await when_all(s.c.write_with_imm(local, rb, std::uint32_t(i)), s.c.recv());
       check(std::move(wr), "write_with_imm (write_lat)");
@@ -528,38 +594,44 @@ task<lat_row> run_lat(client_state& s, test_id t, std::uint64_t size, std::uint6
       if (m.imm() != std::uint32_t(i) || *flag != lat_marker(i)) fail("write_lat: unexpected immediate/data");
     }
     for (std::uint64_t i = 0; i < total && !imm; ++i) {
-      ts.push_back(clock::now());
+      ts.push_back(stamp_clock::now());
       local[size - 1] = lat_marker(i);
-      co_await when_all(
-          [&]() -> task<void> { check(co_await s.c.write(local, rb), "write (write_lat)"); }(),
-          poll_byte(flag, lat_marker(i)));
+      // As perftest: post, then poll. The write's own completion comes
+      // before the peer can answer it, so waiting for it first costs nothing.
+      check(co_await s.c.write(local, rb), "write (write_lat)");
+      co_await poll_byte(flag, lat_marker(i));
     }
   } else if (t == test_id::send_lat) {
     for (std::uint64_t i = 0; i < total; ++i) {
-      ts.push_back(clock::now());
-      auto [sr, rr] = co_await when_all(s.c.send(local), s.c.recv());
-      check(std::move(sr), "send (send_lat)");
-      auto m = check(std::move(rr), "recv (send_lat)");
+      ts.push_back(stamp_clock::now());
+      // Send, then receive (the receive is posted all along: the pong can
+      // arrive before the send's completion is seen and waits in the queue).
+      check(co_await s.c.send(local), "send (send_lat)");
+      auto m = check(co_await s.c.recv(), "recv (send_lat)");
       if (m.size() != size) fail("send_lat: pong of the wrong size");
     }
   } else {  // read_lat
     for (std::uint64_t i = 0; i < total; ++i) {
-      ts.push_back(clock::now());
+      ts.push_back(stamp_clock::now());
       check(co_await s.c.read(local, rb), "read (read_lat)");
     }
     if (!has_pattern(local.data(), size)) fail("read_lat: data read back does not match");
   }
-  ts.push_back(clock::now());
+  ts.push_back(stamp_clock::now());
+  const double wall_us = us(clock::now() - wall0);
+  const double ticks = double(ts.back() - tick0);
+  const double us_per_tick = ticks > 0 ? wall_us / ticks : 0;
   const double div = t == test_id::read_lat ? 1.0 : 2.0;  // ping-pongs: half the round trip
   std::vector<double> v;
   v.reserve(iters);
-  for (std::uint64_t i = warmup; i < total; ++i) v.push_back(us(ts[i + 1] - ts[i]) / div);
+  for (std::uint64_t i = warmup; i < total; ++i) v.push_back(double(ts[i + 1] - ts[i]) * us_per_tick / div);
   co_return lat_stats(std::move(v), size);
 }
 
-void print_header(const options& o, const char* provider, std::uint64_t depth, bool imm) {
+void print_header(const options& o, const char* provider, std::uint64_t depth, std::uint64_t batch, bool imm) {
   std::printf("#---------------------------------------------------------------------------------------\n");
-  std::printf("# shuttle-perf %s, provider %s, depth %" PRIu64 "\n", o.test->name, provider, depth);
+  std::printf("# shuttle-perf %s, provider %s, depth %" PRIu64 ", batch %" PRIu64 "\n", o.test->name, provider,
+              depth, batch);
   if (o.test->id == test_id::write_lat && imm)
     std::printf("# write_lat: write_with_imm ping-pong; each side waits for the peer's immediate (recv)\n");
   else if (o.test->id == test_id::write_lat)
@@ -577,6 +649,9 @@ task<int> client_main(const options& o) {
   domain d = open_domain(o);
   const auto& t = *o.test;
   const std::uint64_t depth = o.depth ? o.depth : (t.latency ? 1 : 128);
+  const std::uint64_t batch = t.latency || t.id == test_id::atomic
+                                  ? 1
+                                  : std::min(depth, o.batch ? o.batch : std::clamp<std::uint64_t>(depth / 4, 1, 64));
   const std::uint64_t iters = o.iters ? o.iters : (t.latency ? 1000 : 5000);
   const std::uint64_t warmup = o.warmup ? *o.warmup : std::min<std::uint64_t>(iters / 10, 1000);
   auto ep = check(endpoint::resolve(*o.host, o.port), ("resolving " + *o.host).c_str());
@@ -617,7 +692,7 @@ task<int> client_main(const options& o) {
 
   const bool imm = t.id == test_id::write_lat &&
                    (o.lat_method == "imm" || (o.lat_method == "auto" && d.kind() != transport_kind::verbs));
-  print_header(o, d.describe().c_str(), depth, imm);
+  print_header(o, d.describe().c_str(), depth, batch, imm);
   for (std::uint64_t size : sizes) {
     ctrl p{};
     p.op = cmd::point;
@@ -635,7 +710,7 @@ task<int> client_main(const options& o) {
     if (t.latency)
       lat = co_await run_lat(s, t.id, size, iters, warmup, imm);
     else
-      bw = co_await run_bw(s, t.id, size, iters, warmup, depth);
+      bw = co_await run_bw(s, t.id, size, iters, warmup, depth, batch);
     ctrl e{};
     e.op = cmd::end;
     co_await send_ctrl(s.c, e);
@@ -646,8 +721,9 @@ task<int> client_main(const options& o) {
                   bw->mpps);
       if (o.json)
         std::printf("{\"test\":\"%s\",\"transport\":\"%s\",\"bytes\":%" PRIu64 ",\"iterations\":%" PRIu64
-                    ",\"depth\":%" PRIu64 ",\"bw_peak_mb_s\":%.3f,\"bw_avg_mb_s\":%.3f,\"msg_rate_mpps\":%.6f}\n",
-                    t.name, to_string(s.c.kind()), bw->size, bw->iters, depth, bw->peak, bw->avg, bw->mpps);
+                    ",\"depth\":%" PRIu64 ",\"batch\":%" PRIu64
+                    ",\"bw_peak_mb_s\":%.3f,\"bw_avg_mb_s\":%.3f,\"msg_rate_mpps\":%.6f}\n",
+                    t.name, to_string(s.c.kind()), bw->size, bw->iters, depth, batch, bw->peak, bw->avg, bw->mpps);
     } else {
       std::printf("  %-10" PRIu64 " %-12" PRIu64 " %-14.2f %-14.2f %-14.2f %-14.2f\n", lat->size, lat->iters,
                   lat->tmin, lat->typical, lat->avg, lat->p99);
@@ -673,6 +749,7 @@ int main(int argc, char** argv) {
     options o = parse_args(argc, argv);
     io_context::options io;
     io.spin_budget = std::chrono::microseconds(o.spin_us);
+    io.ring_spin_budget = std::chrono::microseconds(o.spin_us);  // tcp: poll the ring too
     io_context ctx(io);
     int rc = o.host ? ctx.run(client_main(o)) : ctx.run(server_main(o));
     (void)ctx.run(sleep_for(std::chrono::milliseconds(5)));  // let the provider wind down

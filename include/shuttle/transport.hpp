@@ -138,12 +138,45 @@ class message {
 };
 
 struct connection_options {
-  std::uint32_t send_queue_depth = 128;     // operations in flight; more wait for a slot
+  std::uint32_t send_queue_depth = 128;     // work requests in flight; more wait for a slot
   std::uint32_t receive_buffers = 64;       // posted receives (and so the peer's send credits)
   std::size_t receive_buffer_size = 65536;  // largest message accepted by send/recv
   std::uint32_t max_inline_data = 64;       // sends up to this size go inline (verbs)
-  bool shared_receive_queue = false;        // verbs: one SRQ for the domain's connections
+  // Shared receive queue (verbs). The connection takes its receives from one
+  // ibv_srq of its domain (created by the first such connection; every
+  // later one must ask for a receive_buffer_size no larger than the first's,
+  // else std::errc::invalid_argument) instead of a receive queue of its own.
+  // The SRQ is kept posted: a consumed buffer goes back to the SRQ when its
+  // message is destroyed. Flow control is unchanged: the peer still gets
+  // `receive_buffers` credits and spends one per send / write_with_imm, and
+  // the SRQ always holds at least as many posted buffers as all its
+  // connections' peers may still consume (each joining connection grows the
+  // SRQ by its grant unless buffers left by closed connections cover it), so
+  // RNR cannot happen, however unevenly the connections are loaded; the
+  // credit freed by a message goes back to the connection it arrived on.
+  // What is shared is one registration, one set of buffers reused across
+  // connection lifetimes and one repost path; the credit window of each
+  // connection stays `receive_buffers`. errc::not_supported on a device
+  // without SRQs and on the tcp provider (which has no SRQ equivalent).
+  bool shared_receive_queue = false;
   std::chrono::milliseconds connect_timeout{5000};
+};
+
+// One operation of a batch (connection::post_batch). Atomics are not
+// batched (each returns a value): use compare_and_swap / fetch_and_add.
+struct operation {
+  enum class type : std::uint8_t { send, write, write_with_imm, read };
+  type op = type::write;
+  std::span<const std::byte> local{};  // read: the destination (writable memory)
+  remote_buffer remote{};              // not used by send
+  std::uint32_t imm = 0;               // write_with_imm
+
+  static operation send(std::span<const std::byte> msg) noexcept { return {type::send, msg, {}, 0}; }
+  static operation write(std::span<const std::byte> l, remote_buffer r) noexcept { return {type::write, l, r, 0}; }
+  static operation write_with_imm(std::span<const std::byte> l, remote_buffer r, std::uint32_t imm) noexcept {
+    return {type::write_with_imm, l, r, imm};
+  }
+  static operation read(std::span<std::byte> l, remote_buffer r) noexcept { return {type::read, l, r, 0}; }
 };
 
 class connection {
@@ -167,6 +200,36 @@ class connection {
   // 8-byte aligned remote word; both return the value found there before.
   task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected, std::uint64_t desired);
   task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add);
+
+  // A batch: the operations are posted in order as one unit and the task
+  // completes when all of them have (RC order: they are performed in order,
+  // as if issued one after the other). Local memory as for the single
+  // operations; the spans (and `ops` itself) must stay valid until the task
+  // completes.
+  //  - verbs: one ibv_post_send of a chained work-request list with only the
+  //    last WR signaled (selective signaling), inline where small. Unsignaled
+  //    WRs still hold send-queue slots until that completion, so the batch
+  //    takes one slot per operation and returns them all at its completion.
+  //    When slots or credits (send / write_with_imm use one each) are short,
+  //    the batch is posted in chunks: as many operations as are free at that
+  //    moment (at most send_queue_depth), each chunk signaled at its end;
+  //    the batch waits for more only while holding none, so batches cannot
+  //    deadlock each other or against a peer that keeps some messages.
+  //    Concurrent batches and single operations interleave only at chunk
+  //    boundaries.
+  //  - tcp: the frames of a chunk go to the socket together (one writev) and
+  //    the peer's cumulative acknowledgement completes them.
+  // Errors: arguments are checked before anything is posted (an oversize
+  // send: errc::message_too_long, nothing done; an empty batch succeeds at
+  // once). A failing operation fails the batch with that operation's error
+  // (the first failing one: e.g. errc::remote_access_error), the operations
+  // before it have been performed, the later ones are not, and the
+  // connection goes to the error state (RC rules). Cancellation as for one
+  // operation: a batch still waiting for slots or credits with nothing
+  // posted is cancelled alone; once anything is posted, the connection goes
+  // to the error state and the task resumes when no buffer is touched any
+  // more.
+  task<result<void>> post_batch(std::span<const operation> ops);
 
   // Graceful disconnect: waits for what is in flight, then tells the peer.
   task<result<void>> close();

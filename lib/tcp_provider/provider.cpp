@@ -96,6 +96,7 @@ struct op_rec {
   std::coroutine_handle<> waiter{};
   bool done = false;
   bool cancelled = false;
+  bool owns_slot = false;  // a batch's: its send-queue slot is returned when it completes
   std::error_code ec{};
   std::uint64_t value = 0;
 };
@@ -180,6 +181,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   }
 
   void complete(op_rec* r, std::error_code ec, std::uint64_t v) {
+    if (r->owns_slot) slots.release();
     r->done = true;
     r->ec = ec;
     r->value = v;
@@ -574,6 +576,94 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     co_return result<void>{};
   }
 
+  // A batch (connection::post_batch): the frames of a chunk are queued
+  // together, so the writer sends them in one writev; the peer's cumulative
+  // ACK completes them.
+  static task<result<void>> submit_batch(std::shared_ptr<conn_state> s, std::vector<header> hs,
+                                         std::span<const operation> ops) {
+    std::stop_token token = co_await get_stop_token();
+    if (s->error) co_return err(errc::disconnected);
+    if (token.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
+    std::vector<op_rec> recs(ops.size());
+    std::size_t queued = 0;
+    std::error_code early{};
+    const std::size_t max_ops = s->opts.send_queue_depth;
+    while (queued < ops.size() && !early) {
+      // The chunk [queued, end): as many operations as slots and credits
+      // allow now (at most send_queue_depth); only an empty chunk waits, so
+      // a batch never holds units while it waits for more.
+      std::size_t end = queued, credits_taken = 0;
+      while (end < ops.size() && end - queued < max_ops) {
+        const bool c = hs[end].op == opcode::send || hs[end].op == opcode::write_imm;
+        if (!s->slots.try_acquire()) {
+          if (end > queued) break;
+          ++s->slot_waiters;
+          auto r = co_await s->slots.acquire();
+          --s->slot_waiters;
+          if (!r) {
+            early = r.error();
+            break;
+          }
+        }
+        if (c && !s->credits.try_acquire()) {
+          if (end > queued) {
+            s->slots.release();
+            break;
+          }
+          ++s->credit_waiters;
+          auto r = co_await s->credits.acquire();
+          --s->credit_waiters;
+          if (!r) {
+            s->slots.release();
+            early = r.error();
+            break;
+          }
+        }
+        credits_taken += c;
+        ++end;
+      }
+      if (!early && s->error) early = err(errc::disconnected);
+      if (early) {
+        s->slots.release(end - queued);
+        s->credits.release(credits_taken);
+        break;
+      }
+      s->credits_out += static_cast<std::uint32_t>(credits_taken);
+      for (std::size_t i = queued; i < end; ++i) {
+        header& h = hs[i];
+        op_rec& rec = recs[i];
+        rec.op = h.op;
+        rec.seq = h.seq = s->next_seq++;
+        rec.owns_slot = true;
+        if (h.op == opcode::read_req)
+          rec.read_dst = std::span(const_cast<std::byte*>(ops[i].local.data()), ops[i].local.size());
+        out_frame f;
+        encode_header(h, f.hdr);
+        if (h.op != opcode::read_req) {
+          f.payload = ops[i].local.data();
+          f.len = ops[i].local.size();
+        }
+        s->outq.push_back(std::move(f));
+        s->pending.push_back(&rec);
+      }
+      queued = end;
+      s->idle.reset();
+      s->wake_writer();
+    }
+    if (queued > 0) {
+      // What was queued completes (or fails) in order; wait for all of it.
+      std::stop_callback<canceller> cb(token, canceller{s.get(), recs[queued - 1].seq});
+      for (std::size_t i = 0; i < queued; ++i) co_await wait_rec{recs[i]};
+    }
+    for (std::size_t i = 0; i < queued; ++i)
+      if (recs[i].ec) co_return token.stop_requested() ? std::make_error_code(std::errc::operation_canceled) : recs[i].ec;
+    if (early) {
+      if (queued > 0) s->enter_error(err(errc::disconnected));  // part of the batch is done: RC has no partial undo
+      co_return early;
+    }
+    co_return result<void>{};
+  }
+
   static task<result<message>> recv(std::shared_ptr<conn_state> s) {
     auto r = co_await s->inbox.receive();
     if (!r) {
@@ -641,6 +731,40 @@ class tcp_connection final : public connection_impl {
     h.arg0 = add;
     return conn_state::submit(s_, h, {}, {});
   }
+  task<result<void>> post_batch(std::span<const operation> ops) override {
+    std::vector<header> hs;
+    hs.reserve(ops.size());
+    for (const operation& o : ops) {
+      switch (o.op) {
+        case operation::type::send: {
+          if (o.local.size() > s_->peer.receive_buffer_size) return fail<void>(errc::message_too_long);
+          header h;
+          h.op = opcode::send;
+          h.length = static_cast<std::uint32_t>(o.local.size());
+          hs.push_back(h);
+          break;
+        }
+        case operation::type::write:
+        case operation::type::write_with_imm:
+        case operation::type::read: {
+          if (o.local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
+          opcode op = o.op == operation::type::write ? opcode::write
+                      : o.op == operation::type::read ? opcode::read_req
+                                                      : opcode::write_imm;
+          header h = one_sided(op, o.remote, o.local.size());
+          if (op == opcode::write_imm) {
+            h.flags = flag_imm;
+            h.imm = o.imm;
+          }
+          hs.push_back(h);
+          break;
+        }
+        default: return finish_now(std::make_error_code(std::errc::invalid_argument));
+      }
+    }
+    if (hs.empty()) return finish_now({});
+    return conn_state::submit_batch(s_, std::move(hs), ops);
+  }
   task<result<void>> close() override { return conn_state::close(s_); }
   bool is_open() const noexcept override { return !s_->error && !s_->stopping; }
   transport_kind kind() const noexcept override { return transport_kind::tcp; }
@@ -661,6 +785,10 @@ class tcp_connection final : public connection_impl {
   static task<result<T>> fail(errc e) {
     co_return make_error_code(e);
   }
+  static task<result<void>> finish_now(std::error_code ec) {
+    if (ec) co_return ec;
+    co_return result<void>{};
+  }
   static task<result<void>> read_impl(std::shared_ptr<conn_state> s, header h, std::span<std::byte> local) {
     auto r = co_await conn_state::submit(std::move(s), h, {}, local);
     if (!r) co_return r.error();
@@ -672,6 +800,9 @@ class tcp_connection final : public connection_impl {
 // ---------------------------------------------------------------- set-up
 
 result<void> check_options(const connection_options& o) {
+  // No SRQ equivalent here (see connection_options::shared_receive_queue):
+  // refused rather than ignored.
+  if (o.shared_receive_queue) return make_error_code(errc::not_supported);
   if (o.send_queue_depth == 0 || o.receive_buffers == 0 || o.receive_buffers > max_receive_buffers ||
       o.receive_buffer_size == 0 || o.receive_buffer_size > max_receive_buffer_size)
     return std::make_error_code(std::errc::invalid_argument);

@@ -94,6 +94,9 @@ task<result<std::uint64_t>> connection::compare_and_swap(remote_buffer remote, s
 task<result<std::uint64_t>> connection::fetch_and_add(remote_buffer remote, std::uint64_t add) {
   return impl_ ? impl_->fetch_and_add(remote, add) : not_connected<std::uint64_t>();
 }
+task<result<void>> connection::post_batch(std::span<const operation> ops) {
+  return impl_ ? impl_->post_batch(ops) : not_connected<void>();
+}
 task<result<void>> connection::close() { return impl_ ? impl_->close() : not_connected<void>(); }
 bool connection::is_open() const noexcept { return impl_ && impl_->is_open(); }
 transport_kind connection::kind() const noexcept { return impl_ ? impl_->kind() : transport_kind::automatic; }

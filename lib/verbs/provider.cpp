@@ -20,6 +20,18 @@
 //    receive buffers are reposted and returned to the peer piggybacked on
 //    sends (SEND_WITH_IMM, imm = credits) or, in batches, by a zero-length
 //    control message to a few reserved extra receives.
+//  - shared receive queue (connection_options::shared_receive_queue): one
+//    ibv_srq per core, created by the first such connection; its pool of
+//    buffers grows so that it always holds the sum of the live connections'
+//    grants (receive_buffers + the control reserve), which is what their
+//    peers may consume: credits keep RNR impossible. A receive completion
+//    names its QP (wc.qp_num -> connection); the freed buffer goes back to
+//    the SRQ and the credit to that connection.
+//  - batches (post_batch): chunks of chained WRs, one ibv_post_send each,
+//    only the last WR signaled; the chunk holds its send-queue slots until
+//    that completion. Unsignaled WRs name the chunk's `early` context, which
+//    only ever sees error/flush completions (they come before the chunk's
+//    signaled one, RC completes in order).
 #include <shuttle/detail/transport_impl.hpp>
 #include <shuttle/io_context.hpp>
 #include <shuttle/sync.hpp>
@@ -180,6 +192,61 @@ std::error_code cm_error(const cm_evt& e) {
 }
 
 struct conn_state;
+struct core;
+
+// ------------------------------------------------------------------ receive pool
+
+struct recv_pool;
+struct recv_slot : wr_ctx {
+  recv_pool* pool = nullptr;
+  std::uint32_t index = 0;
+  std::byte* addr = nullptr;
+  std::uint32_t lkey = 0;
+  std::uint32_t qp_num = 0;  // SRQ: the QP that consumed it (its connection gets the credit back)
+};
+
+// Receive buffers: a connection's own (conn set) or the SRQ's of a core
+// (srq_core set). Refcounted: the owner + one per message handed out.
+struct recv_pool {
+  std::shared_ptr<pd_holder> pd;
+  conn_state* conn = nullptr;  // own pool: null once the connection is gone
+  core* srq_core = nullptr;    // SRQ pool: null once the core is gone
+  std::size_t slot_size = 0;
+  std::vector<std::pair<std::byte*, ibv_mr*>> slabs;
+  std::deque<recv_slot> slots;  // stable addresses: a posted receive's wr_id names its slot
+  std::size_t refs = 1;
+
+  ~recv_pool() {
+    for (auto& [b, mr] : slabs) {
+      if (mr) ibv_dereg_mr(mr);
+      std::free(b);
+    }
+  }
+  void unref() noexcept {
+    if (--refs == 0) delete this;
+  }
+  // Adds n slots in one registered slab; returns the index of the first.
+  result<std::uint32_t> grow(std::uint32_t n, void (*on_wc)(wr_ctx*, const ibv_wc&) noexcept) {
+    std::size_t bytes = (n * slot_size + 4095) & ~std::size_t(4095);
+    auto* buf = static_cast<std::byte*>(std::aligned_alloc(4096, bytes));
+    if (!buf) return make_error_code(std::errc::not_enough_memory);
+    slabs.emplace_back(buf, nullptr);
+    ibv_mr* mr = ibv_reg_mr(pd->pd, buf, bytes, static_cast<int>(IBV_ACCESS_LOCAL_WRITE));
+    if (!mr) return last_errno();
+    slabs.back().second = mr;
+    auto first = static_cast<std::uint32_t>(slots.size());
+    for (std::uint32_t i = 0; i < n; ++i) {
+      recv_slot& sl = slots.emplace_back();
+      sl.pool = this;
+      sl.index = first + i;
+      sl.addr = buf + std::size_t(i) * slot_size;
+      sl.lkey = mr->lkey;
+      sl.on_wc = on_wc;
+    }
+    return first;
+  }
+  static void release(void* owner, std::uint64_t slot) noexcept;
+};
 
 // ------------------------------------------------------------------ core
 
@@ -201,7 +268,11 @@ struct core final : poller, std::enable_shared_from_this<core> {
   bool notify_armed = false;
   unsigned unacked = 0;
   std::chrono::nanoseconds budget = std::chrono::microseconds(200);
+  // When the last completion was seen, stamped lazily: poll() only counts
+  // (a clock read per poll is microseconds where the clock is HPET, as in
+  // a TCG guest); the stamp is taken when the loop next wants to sleep.
   vclock::time_point last_wc{};
+  std::uint64_t wc_seen = 0, wc_stamped = 0;
   std::size_t inflight = 0;
   std::vector<std::shared_ptr<conn_state>> graveyard;
   verbs::domain_stats st{};
@@ -214,10 +285,24 @@ struct core final : poller, std::enable_shared_from_this<core> {
   std::multimap<std::uintptr_t, std::shared_ptr<verbs_region>> implicit;
   std::deque<verbs_region*> implicit_order;
 
+  // Shared receive queue (created on first use), its buffers, and who uses it.
+  ibv_srq* srq = nullptr;
+  recv_pool* srq_pool = nullptr;
+  std::uint32_t srq_cap = 0;      // the SRQ's max_wr
+  std::uint64_t srq_granted = 0;  // sum of the live connections' grants
+  std::map<std::uint32_t, conn_state*> srq_conns;  // qp_num -> connection
+  std::size_t rx_waiters = 0;  // recv() calls waiting: a reason to keep busy-polling
+
   ~core() override {
     if (loop) loop->remove_poller(*this);
     if (cq_watch) cq_watch->destroy();
     implicit.clear();
+    // Every QP is gone (each held a reference to this core): the SRQ can go.
+    if (srq) ibv_destroy_srq(srq);
+    if (srq_pool) {
+      srq_pool->srq_core = nullptr;
+      srq_pool->unref();
+    }
     if (cq) {
       if (unacked) ibv_ack_cq_events(cq, unacked);
       ibv_destroy_cq(cq);
@@ -249,17 +334,57 @@ struct core final : poller, std::enable_shared_from_this<core> {
     self->cq_watch->arm(*self->loop);
   }
 
-  bool poll() override;
+  bool poll() override {
+    inline_polls = 0;
+    return poll_cq();
+  }
+  // A look at the CQ from an operation (see execute). At most a few between
+  // two turns of the loop: an operation that completes at once does not
+  // suspend, so a coroutine issuing them in a row would otherwise never let
+  // the loop (its timers, the other coroutines) run.
+  void poll_inline() {
+    if (inline_polls < max_inline_polls) {
+      ++inline_polls;
+      poll_cq();
+    }
+  }
+  static constexpr unsigned max_inline_polls = 8;
+  unsigned inline_polls = 0;
+  bool poll_cq();
   bool try_enter_interrupt_mode() override {
-    if (inflight > 0 && vclock::now() - last_wc < budget) return false;  // keep busy-polling
+    if (inflight > 0 || rx_waiters > 0) {
+      auto now = vclock::now();
+      if (wc_seen != wc_stamped) {
+        wc_stamped = wc_seen;
+        last_wc = now;
+      }
+      if (now - last_wc < budget) return false;  // keep busy-polling
+    }
     if (!notify_armed) {
       if (ibv_req_notify_cq(cq, 0) != 0) return false;
       notify_armed = true;
     }
-    return !poll();  // a completion that arrived before arming raises no event
+    return !poll_cq();  // a completion that arrived before arming raises no event
   }
   void exit_interrupt_mode() override {}
   void reap_graveyard();
+
+  result<void> srq_join(std::uint32_t grant, std::size_t slot_size);
+  void srq_leave(std::uint32_t grant) noexcept { srq_granted -= grant; }
+  result<void> post_srq(recv_slot& s) noexcept {
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<std::uintptr_t>(s.addr);
+    sge.length = static_cast<std::uint32_t>(srq_pool->slot_size);
+    sge.lkey = s.lkey;
+    ibv_recv_wr wr{};
+    wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&s));
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    if (int e = ibv_post_srq_recv(srq, &wr, &bad)) return errno_code(e);
+    return {};
+  }
+  void on_srq_release(std::uint32_t slot) noexcept;
 
   result<std::shared_ptr<verbs_region>> reg(std::span<std::byte> mem, unsigned flags) {
     unsigned a = normalize(flags);
@@ -385,34 +510,6 @@ struct core final : poller, std::enable_shared_from_this<core> {
   }
 };
 
-// ------------------------------------------------------------------ receive pool
-
-struct recv_pool;
-struct recv_slot : wr_ctx {
-  recv_pool* pool = nullptr;
-  std::uint32_t index = 0;
-};
-
-struct recv_pool {
-  std::shared_ptr<pd_holder> pd;
-  conn_state* conn = nullptr;  // null once the connection is gone
-  std::byte* buf = nullptr;
-  std::size_t slot_size = 0;
-  std::uint32_t count = 0;
-  ibv_mr* mr = nullptr;
-  std::vector<recv_slot> slots;
-  std::size_t refs = 1;  // the connection + one per message handed out
-
-  ~recv_pool() {
-    if (mr) ibv_dereg_mr(mr);
-    std::free(buf);
-  }
-  void unref() noexcept {
-    if (--refs == 0) delete this;
-  }
-  static void release(void* owner, std::uint64_t slot) noexcept;
-};
-
 // ------------------------------------------------------------------ connection state
 
 struct conn_state final : std::enable_shared_from_this<conn_state> {
@@ -440,6 +537,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   semaphore sq{0};
   semaphore credits{0};
+  std::uint32_t srq_grant = 0;  // SRQ: the receives this connection accounts for in the SRQ
+  std::uint32_t qp_num = 0;
   std::size_t outstanding = 0;  // posted WRs (sends and receives) not completed yet
   std::size_t inflight_ops = 0;
   event drained;
@@ -521,6 +620,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   result<void> create_qp() {
     if (id->verbs != dom->ctx) return make_error_code(errc::not_supported);  // another device
     std::uint32_t n = opts.receive_buffers + ctrl_reserve;
+    if (opts.shared_receive_queue) {
+      if (auto r = dom->srq_join(n, opts.receive_buffer_size); !r) return r;
+      srq_grant = n;
+    }
     cq_reserve = static_cast<int>(opts.send_queue_depth + ctrl_reserve + n);
     if (dom->cq_reserved + cq_reserve > dom->cq_size) {
       int want = std::min(dom->dattr.max_cqe, std::max(dom->cq_size * 2, dom->cq_reserved + cq_reserve));
@@ -537,9 +640,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     a.recv_cq = dom->cq;
     a.qp_type = IBV_QPT_RC;
     a.cap.max_send_wr = opts.send_queue_depth + ctrl_reserve;
-    a.cap.max_recv_wr = n;
+    a.cap.max_recv_wr = srq_grant ? 0 : n;
     a.cap.max_send_sge = 1;
-    a.cap.max_recv_sge = 1;
+    a.cap.max_recv_sge = srq_grant ? 0 : 1;
+    a.srq = srq_grant ? dom->srq : nullptr;
     a.cap.max_inline_data = opts.max_inline_data;
     a.sq_sig_all = 0;
     if (rdma_create_qp(id, dom->pd, &a) != 0) {
@@ -548,26 +652,23 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (rdma_create_qp(id, dom->pd, &a) != 0) return last_errno();
     }
     qp = id->qp;
+    qp_num = qp->qp_num;
     max_inline = std::min(a.cap.max_inline_data, opts.max_inline_data);
     sq.release(opts.send_queue_depth);
 
-    // Receive pool, all posted now (before the peer may send).
-    pool = new recv_pool;
-    pool->pd = dom->pdh;
-    pool->conn = this;
-    pool->slot_size = opts.receive_buffer_size;
-    pool->count = n;
-    std::size_t bytes = (n * pool->slot_size + 4095) & ~std::size_t(4095);
-    pool->buf = static_cast<std::byte*>(std::aligned_alloc(4096, bytes));
-    if (!pool->buf) return make_error_code(std::errc::not_enough_memory);
-    pool->mr = ibv_reg_mr(dom->pd, pool->buf, bytes, static_cast<int>(IBV_ACCESS_LOCAL_WRITE));
-    if (!pool->mr) return last_errno();
-    pool->slots.resize(n);
-    for (std::uint32_t i = 0; i < n; ++i) {
-      pool->slots[i].pool = pool;
-      pool->slots[i].index = i;
-      pool->slots[i].on_wc = &on_recv_wc;
-      if (auto r = post_recv(pool->slots[i]); !r) return r;
+    if (srq_grant) {  // the SRQ's buffers, already posted (srq_join)
+      pool = dom->srq_pool;
+      ++pool->refs;
+      dom->srq_conns[qp_num] = this;
+    } else {
+      // Receive pool, all posted now (before the peer may send).
+      pool = new recv_pool;
+      pool->pd = dom->pdh;
+      pool->conn = this;
+      pool->slot_size = opts.receive_buffer_size;
+      if (auto r = pool->grow(n, &on_recv_wc); !r) return r.error();
+      for (std::uint32_t i = 0; i < n; ++i)
+        if (auto r = post_recv(pool->slots[i]); !r) return r;
     }
     // Results of atomics.
     std::size_t sbytes = (opts.send_queue_depth * 8 + 63) & ~std::size_t(63);
@@ -579,11 +680,14 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     return {};
   }
 
+  // Puts a receive buffer back: on the QP's own receive queue or the SRQ.
+  result<void> repost(recv_slot& s) { return s.pool->srq_core ? s.pool->srq_core->post_srq(s) : post_recv(s); }
+
   result<void> post_recv(recv_slot& s) {
     ibv_sge sge{};
-    sge.addr = reinterpret_cast<std::uintptr_t>(pool->buf + std::size_t(s.index) * pool->slot_size);
+    sge.addr = reinterpret_cast<std::uintptr_t>(s.addr);
     sge.length = static_cast<std::uint32_t>(pool->slot_size);
-    sge.lkey = pool->mr->lkey;
+    sge.lkey = s.lkey;
     ibv_recv_wr wr{};
     wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&s));
     wr.sg_list = &sge;
@@ -676,8 +780,17 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     id = nullptr;
     if (ech) rdma_destroy_event_channel(ech);
     ech = nullptr;
+    if (srq_grant) {
+      // Messages never taken by recv() hold SRQ buffers: back to the SRQ.
+      if (dom->srq)
+        for (auto& it : rx) (void)dom->post_srq(dom->srq_pool->slots[it.slot]);
+      rx.clear();
+      auto it = dom->srq_conns.find(qp_num);
+      if (it != dom->srq_conns.end() && it->second == this) dom->srq_conns.erase(it);
+      dom->srq_leave(std::exchange(srq_grant, 0));
+    }
     if (pool) {
-      pool->conn = nullptr;
+      if (pool->conn == this) pool->conn = nullptr;
       std::exchange(pool, nullptr)->unref();
     }
     if (scratch_mr) ibv_dereg_mr(scratch_mr);
@@ -721,16 +834,29 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   static void on_recv_wc(wr_ctx* w, const ibv_wc& wc) noexcept {
     auto* s = static_cast<recv_slot*>(w);
     conn_state* c = s->pool->conn;
-    --c->outstanding;
-    if (wc.status != IBV_WC_SUCCESS) {
-      if (wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
-      return;
+    if (core* k = s->pool->srq_core) {
+      // SRQ: the completion names the QP; a buffer nobody can take goes back.
+      auto it = k->srq_conns.find(wc.qp_num);
+      c = it == k->srq_conns.end() ? nullptr : it->second;
+      s->qp_num = wc.qp_num;
+      if (!c || c->dying || !c->usable() || wc.status != IBV_WC_SUCCESS) {
+        if (c && wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR)
+          c->fail(verbs::make_wc_error(wc.status));
+        if (wc.status == IBV_WC_SUCCESS || wc.status == IBV_WC_WR_FLUSH_ERR) (void)k->post_srq(*s);
+        return;
+      }
+    } else {
+      --c->outstanding;
+      if (wc.status != IBV_WC_SUCCESS) {
+        if (wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
+        return;
+      }
     }
     if (wc.opcode == IBV_WC_RECV && (wc.wc_flags & IBV_WC_WITH_IMM)) {
       std::uint32_t imm = ntohl(wc.imm_data);
       if (imm & 0xffff) c->credits.release(imm & 0xffff);
       if (imm & ctrl_flag) {  // control message: its receive goes straight back
-        if (c->usable()) (void)c->post_recv(*s);
+        if (c->usable() || s->pool->srq_core) (void)c->repost(*s);
         return;
       }
     }
@@ -749,6 +875,12 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     ++to_return;
     maybe_send_credits();
   }
+  // SRQ: the buffer went back to the SRQ; the credit goes to this connection.
+  void on_srq_credit() {
+    if (!usable()) return;
+    ++to_return;
+    maybe_send_credits();
+  }
 
   // Posts one signaled WR and waits for its completion. `credit`: it consumes
   // a receive on the peer. `atomic_result`: local sge is a scratch word whose
@@ -759,6 +891,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     std::coroutine_handle<> h{};
     ibv_wc_status status = IBV_WC_SUCCESS;
     std::uint32_t byte_len = 0;
+    bool done = false;
     std::atomic<bool> cancelled{false};
     struct cancel_cb {
       op_wait* self;
@@ -776,7 +909,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     };
     std::optional<std::stop_callback<cancel_cb>> scb;
 
-    bool await_ready() const noexcept { return false; }
+    bool await_ready() const noexcept { return done; }
     template <class P>
     void await_suspend(std::coroutine_handle<P> hh) {
       h = hh;
@@ -789,17 +922,18 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       auto* o = static_cast<op_wait*>(w);
       o->status = wc.status;
       o->byte_len = wc.byte_len;
+      o->done = true;
       --o->c->outstanding;
       --o->c->dom->inflight;
       if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) o->c->fail(verbs::make_wc_error(wc.status));
       o->scb.reset();
-      o->ctx->post(o->h);
+      if (o->h) o->ctx->post(o->h);
     }
   };
 
   task<result<std::uint64_t>> execute(ibv_send_wr wr, ibv_sge sge, bool credit, bool atomic_result,
                                       std::shared_ptr<verbs_region> keep) {
-    auto self = shared_from_this();  // the state outlives the connection object while we wait
+    // The caller's frame holds a reference to this state while we wait.
     (void)keep;
     if (!usable()) co_return disconnected();
     if (auto r = co_await sq.acquire(); !r) co_return r.error();
@@ -841,6 +975,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     ++outstanding;
     ++inflight_ops;
     ++dom->inflight;
+    // Soft-RoCE (and a fast NIC) may have completed it already: one look at
+    // the CQ here saves a turn of the loop (a suspension, a wake-up) on the
+    // latency path. Coroutines are never resumed from inside the poller
+    // (wake-ups are posted), so this cannot re-enter core::poll.
+    dom->poll_inline();
     co_await op;
     if (atomic_result) scratch_free.push_back(slot);
     if (--inflight_ops == 0) drained.set();
@@ -849,6 +988,191 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (op.cancelled.load()) co_return std::make_error_code(std::errc::operation_canceled);
     if (op.status == IBV_WC_WR_FLUSH_ERR) co_return disconnected();
     co_return wc_error(op.status);
+  }
+
+  // ---------------------------------------------------------------- batches
+
+  struct batch_wait;
+  struct batch_chunk {
+    struct ctx : wr_ctx {
+      batch_chunk* ch = nullptr;
+    } early, last;  // early: the unsignaled WRs (errors and flushes only); last: the signaled one
+    batch_wait* b = nullptr;
+    std::uint32_t slots = 0;
+    std::size_t partial = 0;  // ibv_post_send took only a prefix: its WRs, each to be flushed
+    ibv_wc_status early_status = IBV_WC_SUCCESS, status = IBV_WC_SUCCESS;
+
+    static void on_early(wr_ctx* w, const ibv_wc& wc) noexcept {
+      batch_chunk* ch = static_cast<ctx*>(w)->ch;
+      conn_state* c = ch->b->c;
+      if (wc.status != IBV_WC_SUCCESS && ch->early_status == IBV_WC_SUCCESS) ch->early_status = wc.status;
+      if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
+      if (ch->partial > 0) {
+        --c->outstanding;
+        if (--ch->partial == 0) ch->b->chunk_done();
+      }
+    }
+    static void on_last(wr_ctx* w, const ibv_wc& wc) noexcept {
+      batch_chunk* ch = static_cast<ctx*>(w)->ch;
+      conn_state* c = ch->b->c;
+      ch->status = wc.status;
+      --c->outstanding;
+      --c->dom->inflight;
+      c->sq.release(ch->slots);  // the unsignaled WRs before it are complete too
+      if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
+      ch->b->chunk_done();
+    }
+  };
+
+  struct batch_wait {
+    conn_state* c = nullptr;
+    io_context* ctx = nullptr;
+    std::coroutine_handle<> h{};
+    std::size_t pending = 0;  // chunks posted, not completed
+    std::atomic<bool> cancelled{false};
+    struct cancel_cb {
+      batch_wait* self;
+      void operator()() const noexcept {
+        self->cancelled.store(true);
+        if (self->ctx->running_in_this_thread()) {
+          self->c->fail(disconnected());
+        } else {
+          std::weak_ptr<conn_state> wp = self->c->weak_from_this();
+          self->ctx->dispatch([wp] {
+            if (auto s = wp.lock()) s->fail(disconnected());
+          });
+        }
+      }
+    };
+    std::optional<std::stop_callback<cancel_cb>> scb;
+
+    void chunk_done() noexcept {
+      if (--pending == 0 && h) {
+        scb.reset();
+        ctx->post(std::exchange(h, {}));
+      }
+    }
+    bool await_ready() const noexcept { return pending == 0; }
+    template <class P>
+    void await_suspend(std::coroutine_handle<P> hh) {
+      h = hh;
+      std::stop_token t = stop_token_of(hh);
+      if (t.stop_possible()) scb.emplace(std::move(t), cancel_cb{this});
+    }
+    void await_resume() const noexcept {}
+  };
+
+  // `wrs[i]` and `sges[i]` describe operation i (opcode, remote side, flags,
+  // local sge); `credit[i]`: it consumes a receive on the peer.
+  task<result<void>> execute_batch(std::vector<ibv_send_wr> wrs, std::vector<ibv_sge> sges, std::vector<char> credit,
+                                   std::vector<std::shared_ptr<verbs_region>> keep) {
+    auto self = shared_from_this();
+    (void)keep;
+    if (!usable()) co_return disconnected();
+    // Chunks of at most send_queue_depth WRs (at most one per WR).
+    std::vector<batch_chunk> chunks(wrs.size());
+    batch_wait b;
+    b.c = this;
+    b.ctx = dom->loop;
+    std::size_t posted = 0, first = 0;
+    std::error_code early{};
+    while (first < wrs.size() && !early) {
+      // The chunk [first, end): as many WRs as slots and credits allow now;
+      // only an empty chunk waits, so a batch never holds units while it
+      // waits for more (no deadlock between batches, none with a peer that
+      // holds some of its receive buffers).
+      std::size_t end = first;
+      std::uint32_t credits_taken = 0;
+      while (end < wrs.size() && end - first < opts.send_queue_depth) {
+        if (!sq.try_acquire()) {
+          if (end > first) break;
+          if (auto r = co_await sq.acquire(); !r) {
+            early = r.error();
+            break;
+          }
+        }
+        if (credit[end] && !credits.try_acquire()) {
+          if (end > first) {
+            sq.release();
+            break;
+          }
+          if (auto r = co_await credits.acquire(); !r) {
+            sq.release();
+            early = r.error();
+            break;
+          }
+        }
+        credits_taken += credit[end] ? 1 : 0;
+        ++end;
+      }
+      const auto need = static_cast<std::uint32_t>(end - first);
+      if (!early && !usable()) early = disconnected();
+      if (early) {
+        sq.release(need);
+        credits.release(credits_taken);
+        break;
+      }
+      batch_chunk& ch = chunks[posted];
+      ch.b = &b;
+      ch.slots = need;
+      ch.early.ch = ch.last.ch = &ch;
+      ch.early.on_wc = &batch_chunk::on_early;
+      ch.last.on_wc = &batch_chunk::on_last;
+      bool piggybacked = false;
+      for (std::size_t i = first; i < end; ++i) {
+        ibv_send_wr& wr = wrs[i];
+        wr.sg_list = &sges[i];
+        wr.num_sge = sges[i].length > 0 ? 1 : 0;
+        wr.next = i + 1 < end ? &wrs[i + 1] : nullptr;
+        wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &ch.early : &ch.last));
+        if (i + 1 == end) wr.send_flags |= IBV_SEND_SIGNALED;
+        if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits, on the chunk's first send
+          std::uint32_t n = piggybacked ? 0 : std::min<std::uint32_t>(to_return, 0xffff);
+          piggybacked = true;
+          to_return -= n;
+          wr.imm_data = htonl(n);
+        }
+      }
+      ibv_send_wr* bad = nullptr;
+      if (int e = ibv_post_send(qp, &wrs[first], &bad)) {
+        std::size_t taken = bad ? static_cast<std::size_t>(bad - &wrs[first]) : 0;
+        sq.release(need);
+        credits.release(credits_taken);
+        early = errno_code(e);
+        if (taken > 0) {
+          // A prefix is on the send queue, unsignaled: the connection goes
+          // to error and each of those WRs comes back flushed.
+          ch.partial = taken;
+          outstanding += taken;
+          ++b.pending;
+          if (posted++ == 0) ++inflight_ops;
+          fail(disconnected());
+        }
+        break;
+      }
+      ++outstanding;
+      ++dom->inflight;
+      ++b.pending;
+      if (posted++ == 0) ++inflight_ops;
+      first = end;
+    }
+    if (posted > 0 && !early) dom->poll_inline();  // as in execute: it may be done already
+    if (posted > 0) {
+      co_await b;
+      if (--inflight_ops == 0) drained.set();
+    }
+    for (std::size_t k = 0; k < posted; ++k) {
+      ibv_wc_status st = chunks[k].early_status != IBV_WC_SUCCESS ? chunks[k].early_status : chunks[k].status;
+      if (st == IBV_WC_SUCCESS) continue;
+      if (b.cancelled.load()) co_return std::make_error_code(std::errc::operation_canceled);
+      if (st == IBV_WC_WR_FLUSH_ERR) co_return early ? early : disconnected();
+      co_return wc_error(st);
+    }
+    if (early) {
+      if (posted > 0) fail(disconnected());  // part of the batch is done: RC has no partial undo
+      co_return early;
+    }
+    co_return result<void>{};
   }
 
   // Local sge for user memory: inline when small (no registration).
@@ -871,11 +1195,48 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
 void recv_pool::release(void* owner, std::uint64_t slot) noexcept {
   auto* p = static_cast<recv_pool*>(owner);
-  if (p->conn) p->conn->on_message_released(static_cast<std::uint32_t>(slot));
+  if (p->srq_core)
+    p->srq_core->on_srq_release(static_cast<std::uint32_t>(slot));
+  else if (p->conn)
+    p->conn->on_message_released(static_cast<std::uint32_t>(slot));
   p->unref();
 }
 
-bool core::poll() {
+void core::on_srq_release(std::uint32_t slot) noexcept {
+  recv_slot& s = srq_pool->slots[slot];
+  if (!post_srq(s)) return;
+  auto it = srq_conns.find(s.qp_num);
+  if (it != srq_conns.end()) it->second->on_srq_credit();
+}
+
+result<void> core::srq_join(std::uint32_t grant, std::size_t slot_size) {
+  if (!srq) {
+    if (dattr.max_srq <= 0 || dattr.max_srq_wr <= 0) return make_error_code(errc::not_supported);
+    ibv_srq_init_attr a{};
+    a.attr.max_wr = static_cast<std::uint32_t>(std::min(dattr.max_srq_wr, 16384));
+    a.attr.max_sge = 1;
+    srq = ibv_create_srq(pd, &a);
+    if (!srq) return last_errno();
+    srq_cap = a.attr.max_wr;
+    srq_pool = new recv_pool;
+    srq_pool->pd = pdh;
+    srq_pool->srq_core = this;
+    srq_pool->slot_size = slot_size;
+  }
+  if (slot_size > srq_pool->slot_size) return std::make_error_code(std::errc::invalid_argument);
+  std::uint64_t need = srq_granted + grant;
+  if (need > srq_cap) return std::make_error_code(std::errc::no_buffer_space);
+  if (need > srq_pool->slots.size()) {
+    auto first = srq_pool->grow(static_cast<std::uint32_t>(need - srq_pool->slots.size()), &conn_state::on_recv_wc);
+    if (!first) return first.error();
+    for (std::size_t i = *first; i < srq_pool->slots.size(); ++i)
+      if (auto r = post_srq(srq_pool->slots[i]); !r) return r;
+  }
+  srq_granted = need;
+  return {};
+}
+
+bool core::poll_cq() {
   ibv_wc wc[32];
   int n = ibv_poll_cq(cq, 32, wc);
   for (int i = 0; i < n; ++i) {
@@ -884,7 +1245,7 @@ bool core::poll() {
   }
   if (n > 0) {
     st.completions += static_cast<std::uint64_t>(n);
-    last_wc = vclock::now();
+    ++wc_seen;
   }
   if (!graveyard.empty()) reap_graveyard();
   return n > 0;
@@ -930,17 +1291,21 @@ class verbs_connection final : public connection_impl {
 
   task<result<message>> recv() override {
     auto s = s_;
+    if (s->rx.empty()) s->dom->poll_inline();  // it may be in the CQ already (as execute)
     while (s->rx.empty()) {
       if (s->error || s->closed || !s->established) co_return disconnected();
       s->rx_event.reset();
-      if (auto r = co_await s->rx_event.wait(); !r) co_return r.error();
+      ++s->dom->rx_waiters;
+      auto r = co_await s->rx_event.wait();
+      --s->dom->rx_waiters;
+      if (!r) co_return r.error();
     }
     auto it = s->rx.front();
     s->rx.pop_front();
     recv_pool* p = s->pool;
     ++p->refs;
-    co_return message(std::span<const std::byte>(p->buf + std::size_t(it.slot) * p->slot_size, it.len), it.imm,
-                      &recv_pool::release, p, it.slot);
+    co_return message(std::span<const std::byte>(p->slots[it.slot].addr, it.len), it.imm, &recv_pool::release, p,
+                      it.slot);
   }
 
   task<result<void>> write(std::span<const std::byte> local, remote_buffer remote) override {
@@ -959,6 +1324,50 @@ class verbs_connection final : public connection_impl {
   }
   task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add) override {
     return atomic(remote, IBV_WR_ATOMIC_FETCH_AND_ADD, add, 0);
+  }
+
+  task<result<void>> post_batch(std::span<const operation> ops) override {
+    auto s = s_;
+    if (ops.empty()) co_return result<void>{};
+    std::vector<ibv_send_wr> wrs(ops.size());
+    std::vector<ibv_sge> sges(ops.size());
+    std::vector<char> credit(ops.size(), 0);
+    std::vector<std::shared_ptr<verbs_region>> keep;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const operation& o = ops[i];
+      ibv_send_wr& wr = wrs[i];
+      bool need_write = false, may_inline = true;
+      switch (o.op) {
+        case operation::type::send:
+          if (o.local.size() > s->peer_buffer) co_return make_error_code(errc::message_too_long);
+          wr.opcode = IBV_WR_SEND_WITH_IMM;
+          credit[i] = 1;
+          break;
+        case operation::type::write:
+        case operation::type::write_with_imm:
+          wr.opcode = o.op == operation::type::write ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_WRITE_WITH_IMM;
+          if (o.op == operation::type::write_with_imm) {
+            wr.imm_data = htonl(o.imm);
+            credit[i] = 1;
+          }
+          wr.wr.rdma.remote_addr = o.remote.address;
+          wr.wr.rdma.rkey = o.remote.rkey;
+          break;
+        case operation::type::read:
+          wr.opcode = IBV_WR_RDMA_READ;
+          wr.wr.rdma.remote_addr = o.remote.address;
+          wr.wr.rdma.rkey = o.remote.rkey;
+          need_write = true;
+          may_inline = false;
+          break;
+        default: co_return std::make_error_code(std::errc::invalid_argument);
+      }
+      if (o.local.size() > (std::size_t(1) << 31)) co_return make_error_code(errc::message_too_long);
+      auto r = s->local_sge(o.local, need_write, may_inline, wr, sges[i]);
+      if (!r) co_return r.error();
+      if (*r && (keep.empty() || keep.back() != *r)) keep.push_back(std::move(*r));
+    }
+    co_return co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep));
   }
 
   task<result<void>> close() override {

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 
 using namespace shuttle;
@@ -329,6 +330,239 @@ TEST_CASE("operations queued behind a failing one fail with disconnected") {
     CHECK(is_error(c.error(), errc::disconnected));
     CHECK(std::memcmp(region.data(), good.data(), 64) == 0);
     co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("post_batch: in order, data verified, chunked beyond the send queue and the credits") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options opts;
+    opts.send_queue_depth = 8;  // batches below are larger: posted in chunks
+    opts.receive_buffers = 4;
+    pair_t p;
+    co_await make_pair(p, opts);
+    CHECK((co_await p.client.post_batch({})).has_value());  // empty: done at once
+    std::vector<std::byte> target(1 << 20);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    // 100 writes: 1..99 to their own 4 KiB slot (a small one inline, the
+    // rest registered), all of them also to slot 0 in order: the last wins.
+    constexpr int n = 100;
+    std::vector<std::vector<std::byte>> data;
+    std::vector<operation> ops;
+    for (int i = 0; i < n; ++i) data.push_back(pattern(i % 3 == 0 ? 16 : 4096, static_cast<unsigned>(i) + 1));
+    for (int i = 0; i < n; ++i) {
+      ops.push_back(operation::write(data[i], mr.remote(0, data[i].size())));
+      if (i > 0) ops.push_back(operation::write(data[i], mr.remote(std::size_t(i) * 4096, data[i].size())));
+    }
+    // Then a read of slot 0 (RC: after the writes) and a send that tells the
+    // server everything landed.
+    std::vector<std::byte> back(data[n - 1].size());
+    ops.push_back(operation::read(back, mr.remote(0, back.size())));
+    std::array<std::byte, 4> done_msg{std::byte{'d'}, std::byte{'o'}, std::byte{'n'}, std::byte{'e'}};
+    ops.push_back(operation::send(done_msg));
+    auto [br, m] = co_await when_all(p.client.post_batch(ops), p.server.recv());
+    REQUIRE(br.has_value());
+    REQUIRE(m.has_value());
+    CHECK(m->size() == 4);
+    CHECK(back == data[n - 1]);
+    CHECK(std::memcmp(target.data(), data[n - 1].data(), data[n - 1].size()) == 0);
+    for (int i = 1; i < n; ++i) CHECK(std::memcmp(target.data() + i * 4096, data[i].data(), data[i].size()) == 0);
+
+    // Sends and write_with_imm, ten times the peer's credits, in one batch;
+    // the receiver sees them in order.
+    constexpr int k = 40;
+    std::vector<std::array<std::uint32_t, 8>> msgs(k);
+    std::vector<operation> sends;
+    for (int i = 0; i < k; ++i) {
+      msgs[i].fill(std::uint32_t(i));
+      if (i % 4 == 3)
+        sends.push_back(operation::write_with_imm(std::as_bytes(std::span(msgs[i])), mr.remote(4096 * 200, 32),
+                                                  std::uint32_t(i)));
+      else
+        sends.push_back(operation::send(std::as_bytes(std::span(msgs[i]))));
+    }
+    auto receiver = [](connection& c) -> task<int> {
+      int good = 0;
+      for (int i = 0; i < k; ++i) {
+        auto r = co_await c.recv();
+        if (!r) co_return good;
+        if (i % 4 == 3) {
+          good += r->imm() == std::optional<std::uint32_t>(std::uint32_t(i));
+        } else {
+          std::uint32_t v = 0;
+          if (r->size() == 32) std::memcpy(&v, r->data().data(), 4);
+          good += r->size() == 32 && v == std::uint32_t(i) && !r->imm();
+        }
+        (void)co_await sleep_for(std::chrono::microseconds(200));  // slow consumer: credits run out
+      }
+      co_return good;
+    };
+    auto [sr, good] = co_await when_all(p.client.post_batch(sends), receiver(p.server));
+    CHECK(sr.has_value());
+    CHECK(good == k);
+    CHECK(p.client.is_open());
+
+    // Batches and single operations interleave safely.
+    auto one = pattern(512, 77);
+    auto [b1, w1, b2] = co_await when_all(p.client.post_batch(std::span(ops).first(20)),
+                                          p.client.write(one, mr.remote(4096 * 250, one.size())),
+                                          p.client.post_batch(std::span(ops).subspan(20, 20)));
+    CHECK(b1.has_value());
+    CHECK(w1.has_value());
+    CHECK(b2.has_value());
+    CHECK(std::memcmp(target.data() + 4096 * 250, one.data(), one.size()) == 0);
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("post_batch: an error in the middle fails the batch with that error; later ones not done") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> region(16 * 4096, std::byte{0x5A});
+    auto mr = p.server_domain->register_memory(region, access::all).value();
+    remote_buffer bad{mr.remote().address, mr.rkey() ^ 0x8000u, 64};
+    std::vector<std::vector<std::byte>> data;
+    for (int i = 0; i < 10; ++i) data.push_back(pattern(1024, static_cast<unsigned>(i) + 5));
+    std::vector<operation> ops;
+    for (int i = 0; i < 10; ++i) {
+      if (i == 4)
+        ops.push_back(operation::write(data[i], bad));
+      else
+        ops.push_back(operation::write(data[i], mr.remote(std::size_t(i) * 4096, 1024)));
+    }
+    auto r = co_await p.client.post_batch(ops);
+    REQUIRE_FALSE(r.has_value());
+    CHECK(matches(r.error(), errc::remote_access_error));
+    for (int i = 0; i < 4; ++i) CHECK(std::memcmp(region.data() + i * 4096, data[i].data(), 1024) == 0);
+    // Nothing after the failing one was performed.
+    CHECK(std::all_of(region.begin() + 4 * 4096, region.end(), [](std::byte b) { return b == std::byte{0x5A}; }));
+    CHECK_FALSE(p.client.is_open());
+    auto again = co_await p.client.post_batch(std::span(ops).first(1));
+    CHECK(is_error(again.error(), errc::disconnected));
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("post_batch: an oversize send is refused before anything is posted") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> region(4096);
+    auto mr = p.server_domain->register_memory(region, access::all).value();
+    auto small = pattern(100, 1);
+    std::vector<std::byte> huge(p.client.max_message_size() + 1);
+    std::vector<operation> ops{operation::write(small, mr.remote(0, 100)), operation::send(huge)};
+    auto r = co_await p.client.post_batch(ops);
+    CHECK(is_error(r.error(), errc::message_too_long));
+    CHECK(std::all_of(region.begin(), region.end(), [](std::byte b) { return b == std::byte{0}; }));
+    CHECK(p.client.is_open());
+    CHECK((co_await p.client.post_batch(std::span(ops).first(1))).has_value());
+    CHECK(std::memcmp(region.data(), small.data(), 100) == 0);
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("shared receive queue: many connections on one SRQ, data verified, no RNR (or not_supported)") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options opts;
+    opts.shared_receive_queue = true;
+    opts.receive_buffers = 4;
+    opts.receive_buffer_size = 4096;
+    auto sd = domain::open().value();
+    auto cd = domain::open().value();
+    auto l = sd.listen(test_endpoint(0), opts);
+    if (!l) {
+      // A provider without SRQs says so, on both ends; it never ignores the option.
+      CHECK(is_error(l.error(), errc::not_supported));
+      auto c = co_await cd.connect(test_endpoint(1), opts);
+      CHECK(is_error(c.error(), errc::not_supported));
+      co_return;
+    }
+    auto ep = test_endpoint(l->local_endpoint().port());
+    constexpr int nconn = 8, per = 60;
+    connection_options copts;  // the clients: own receive queues
+    copts.receive_buffers = 4;
+    copts.receive_buffer_size = 4096;
+    std::vector<connection> server_side, client_side;
+    for (int i = 0; i < nconn; ++i) {
+      auto [s, c] = co_await when_all(l->accept(), cd.connect(ep, copts));
+      REQUIRE(s.has_value());
+      REQUIRE(c.has_value());
+      server_side.push_back(std::move(*s));
+      client_side.push_back(std::move(*c));
+    }
+    // Every client sends `per` messages (15x the credits) in batches; one
+    // server connection consumes slowly, the others fast: the SRQ is shared
+    // unevenly and still nothing is lost.
+    auto sender = [](connection& c, int id) -> task<bool> {
+      for (int b = 0; b < per / 10; ++b) {
+        std::vector<std::array<std::uint32_t, 64>> m(10);
+        std::vector<operation> ops;
+        for (int j = 0; j < 10; ++j) {
+          m[j].fill(std::uint32_t(id * 1000 + b * 10 + j));
+          ops.push_back(operation::send(std::as_bytes(std::span(m[j]))));
+        }
+        if (!(co_await c.post_batch(ops))) co_return false;
+      }
+      co_return true;
+    };
+    auto receiver = [](connection& c, int id) -> task<int> {
+      int good = 0;
+      std::vector<message> held;
+      for (int i = 0; i < per; ++i) {
+        auto m = co_await c.recv();
+        if (!m) co_return good;
+        std::uint32_t v = 0;
+        if (m->size() == 256) std::memcpy(&v, m->data().data() + 4 * (i % 64), 4);
+        good += m->size() == 256 && v == std::uint32_t(id * 1000 + i);
+        if (id == 0) {
+          (void)co_await sleep_for(std::chrono::microseconds(500));
+          if (held.size() < 3) held.push_back(std::move(*m));  // hold a few buffers a while
+        }
+      }
+      co_return good;
+    };
+    std::vector<task<bool>> sends;
+    std::vector<task<int>> recvs;
+    for (int i = 0; i < nconn; ++i) {
+      sends.push_back(sender(client_side[i], i));
+      recvs.push_back(receiver(server_side[i], i));
+    }
+    auto [oks, goods] = co_await when_all(when_all(std::move(sends)), when_all(std::move(recvs)));
+    for (int i = 0; i < nconn; ++i) {
+      CHECK(oks[i]);
+      CHECK(goods[i] == per);
+      CHECK(server_side[i].is_open());
+      CHECK(client_side[i].is_open());
+    }
+    // A later connection reuses the SRQ (and its buffers); a larger buffer size than the SRQ's is refused.
+    server_side.clear();
+    client_side.clear();
+    auto [s2, c2] = co_await when_all(l->accept(), cd.connect(ep, copts));
+    REQUIRE(s2.has_value());
+    REQUIRE(c2.has_value());
+    auto d = pattern(1000, 3);
+    auto [sr, rr] = co_await when_all(c2->send(d), s2->recv());
+    CHECK(sr.has_value());
+    REQUIRE(rr.has_value());
+    CHECK(std::equal(rr->data().begin(), rr->data().end(), d.begin(), d.end()));
+    rr->reset();
+    connection_options bigger = opts;
+    bigger.receive_buffer_size = 8192;
+    auto l2 = sd.listen(test_endpoint(0), bigger).value();
+    auto [s3, c3] = co_await when_all(with_timeout(l2.accept(), std::chrono::seconds(2)),
+                                      cd.connect(test_endpoint(l2.local_endpoint().port()), copts));
+    CHECK_FALSE(c3.has_value());  // the server refuses: its SRQ's buffers are smaller
+    (void)s3;
+    (void)co_await c2->close();
+    (void)co_await s2->close();
+    l->close();
+    l2.close();
+    (void)co_await sleep_for(std::chrono::milliseconds(5));
   }());
 }
 

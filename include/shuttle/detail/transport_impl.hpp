@@ -28,6 +28,7 @@ class connection_impl {
   virtual task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected,
                                                        std::uint64_t desired) = 0;
   virtual task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add) = 0;
+  virtual task<result<void>> post_batch(std::span<const operation> ops) = 0;
   virtual task<result<void>> close() = 0;
   virtual bool is_open() const noexcept = 0;
   virtual transport_kind kind() const noexcept = 0;

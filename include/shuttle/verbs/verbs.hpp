@@ -63,7 +63,9 @@ std::error_code make_wc_error(int ibv_wc_status) noexcept;
 
 // CQ policy of a verbs domain: after its last completion, the domain's CQ
 // poller keeps the loop busy-polling for `budget` while operations are in
-// flight, then arms ibv_req_notify_cq and lets the loop sleep.
+// flight or a recv() waits (a ping-pong's receiver spins as perftest's does),
+// then arms ibv_req_notify_cq and lets the loop sleep. The loop's own
+// io_context::options::spin_budget bounds it too: set both for latency.
 // errc::not_supported for a non-verbs domain.
 result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget);
 
