@@ -84,6 +84,7 @@ struct report {
   std::uint64_t confirmed = 0, confirmed_checksum = 0;  // acked slot by slot
   std::uint64_t sink_count = 0, sink_checksum = 0;      // the sink's own final totals
   std::uint64_t sink_corrupt = 0;
+  std::uint64_t batches = 0;  // shipped by the network stage (confirmed / batches: the batching achieved)
   std::uint64_t lost = 0;
   std::string error;  // first error that cost records
   double seconds = 0;
@@ -232,9 +233,15 @@ net::awaitable<void> pipeline::ingest_session(net::ip::tcp::socket s) {
     r.t_in = clock::now();
     auto t_in = r.t_in;
     std::uint64_t sum = mix(r.id, fnv1a(r.payload));
-    // Backpressure: a full channel suspends this session, so it stops reading its socket.
-    co_await sa::async_send(ingest_ch_, std::move(r), net::redirect_error(net::use_awaitable, ec));
-    if (ec) break;
+    // Queued without suspending while the channel has room (no operation,
+    // no hop through Asio's queue); backpressure: a full channel suspends
+    // this session (a shuttle operation with an Asio token), so it stops
+    // reading its socket.
+    if (!ingest_ch_.try_send(r)) {
+      if (ingest_ch_.closed()) break;
+      co_await sa::async_send(ingest_ch_, std::move(r), net::redirect_error(net::use_awaitable, ec));
+      if (ec) break;
+    }
     ++report_.in;
     report_.in_checksum += sum;
     m_ingest_.add(t_in, clock::now());  // read -> queued: grows under backpressure
@@ -391,6 +398,7 @@ task<void> pipeline::network_stage(shuttle::connection& conn, shuttle::remote_bu
     }
     put32(buf.data(), static_cast<std::uint32_t>(b->recs.size()));
     in_flight_records_ += ids.size();
+    ++report_.batches;
     acks_drained_.reset();
     writes.spawn(ship(conn, *slot, off, std::move(ids), slots.slice(std::uint64_t(*slot) * slot_size, slot_size).value()));
   }

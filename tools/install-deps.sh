@@ -19,5 +19,9 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-# The guest harness downloads the kernel package with apt: it needs the lists.
-ls /var/lib/apt/lists/*_Packages >/dev/null 2>&1 || apt-get update -qq
+# The guest harness downloads the kernel package with apt: it needs the lists
+# (stored compressed on some systems: *_Packages.lz4).
+ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1 || apt-get update -qq
+# The second Boost the Asio interop is tested against (1.81 beside the
+# system 1.74; conflicting packages, so unpacked into a cache, not installed).
+bash "$(dirname "$0")/boost-alt.sh" 1.81 >/dev/null

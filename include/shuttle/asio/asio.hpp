@@ -6,11 +6,14 @@
 //    as_tuple, ||/&&), Asio cancellation slots -> shuttle cancellation;
 //  - use_task.hpp: shuttle tasks await Asio operations;
 //  - executor.hpp: the shuttle loop as an Asio execution context;
-//  - asio_driver.hpp: an asio::io_context driven from the shuttle loop.
+//  - asio_driver.hpp: an asio::io_context driven from the shuttle loop;
+//  - recycling.hpp (internal): operation memory (associated allocators, a
+//    per-thread cache, Asio's own per-thread cache on shuttle's loop).
 #pragma once
 
 #include <shuttle/asio/config.hpp>
 #include <shuttle/asio/error.hpp>
+#include <shuttle/asio/recycling.hpp>
 #include <shuttle/asio/executor.hpp>
 #include <shuttle/asio/async_run.hpp>
 #include <shuttle/asio/ops.hpp>

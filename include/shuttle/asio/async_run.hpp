@@ -22,10 +22,15 @@
 // that yields result<...> becomes an error code (std::system_error: its code;
 // anything else: errc::state_not_recoverable) rather than being lost.
 //
-// The handler runs through its associated executor: dispatched (inline when
-// that executor is shuttle's own, executor.hpp) on completion, or posted when
-// the operation finished before async_run returned (Asio's rule: a handler is
-// never called from inside the initiating function).
+// The handler runs through its associated executor: dispatched on
+// completion, or posted when the operation finished before async_run returned
+// (Asio's rule: a handler is never called from inside the initiating
+// function). When that executor is this loop's shuttle executor (executor.hpp;
+// directly or inside any_io_executor, as for use_awaitable in a coroutine
+// co_spawned on shuttle::asio::context), dispatch would call inline anyway:
+// the handler is called directly, without Asio's type-erased executor
+// function; the "post" case waits for the loop's next turn in the
+// operation's own frame.
 //
 // Cancellation: with Boost >= 1.77 the handler's associated cancellation slot
 // (asio::bind_cancellation_slot, the awaitable operators, co_spawn's
@@ -37,16 +42,23 @@
 // operation may break its connection). On every Boost, the overload taking a
 // std::stop_token cancels through that token.
 //
-// Cost: one allocation per operation (the frame that holds handler, factory
-// and awaitable), no allocation for the stop state unless a slot or token is
-// connected, no syscall beyond the operation's own.
+// Cost: no allocation per operation in the steady state: the frame (handler,
+// factory, awaitable) comes from the handler's associated allocator, or else
+// from a per-thread cache of recycled frames (recycling.hpp), and is freed
+// before the handler runs; on shuttle's executor Asio's own awaitable frames
+// are recycled too. The stop state is allocated only when a slot is
+// connected (std::stop_source's shared state). No syscall beyond the
+// operation's own. bench/asio_interop measures it against the native
+// co_await form and against a minimal hand-written Asio initiation.
 #pragma once
 
 #include <shuttle/asio/config.hpp>
 #include <shuttle/asio/error.hpp>
 #include <shuttle/asio/executor.hpp>
+#include <shuttle/asio/recycling.hpp>
 
 #include <exception>
+#include <memory>
 #include <new>
 #include <optional>
 #include <stop_token>
@@ -64,7 +76,6 @@
 #  include <boost/asio/cancellation_type.hpp>
 #endif
 
-#include <shuttle/detail/driver.hpp>
 #include <shuttle/io_context.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/task.hpp>
@@ -134,38 +145,30 @@ struct bound_completion {
   allocator_type get_allocator() const noexcept { return net::get_associated_allocator(handler); }
 };
 
-// Whether `ex` is shuttle's executor (directly or inside any_io_executor).
+// The shuttle loop behind `ex` when it is shuttle's executor (directly or
+// inside any_io_executor); null otherwise.
 template <class Ex>
-bool is_shuttle_executor(const Ex& ex) noexcept {
+shuttle::io_context* shuttle_loop_of(const Ex& ex) noexcept {
   if constexpr (std::is_same_v<Ex, basic_executor<false>> || std::is_same_v<Ex, basic_executor<true>>) {
-    return true;
+    return &ex.loop();
   } else if constexpr (requires { ex.target_type(); }) {
-    // any_io_executor. (Not target<T>(): Boost 1.74's does not check the type.)
+    // any_io_executor. (target<T>() only after the type check: Boost 1.74's
+    // does not check it.)
 #if !defined(BOOST_ASIO_NO_TYPEID)
-    return ex.target_type() == typeid(basic_executor<false>) || ex.target_type() == typeid(basic_executor<true>);
-#else
-    return false;  // unknown: the driver is kicked, which is only a wasted poll
+    if (ex.target_type() == typeid(basic_executor<false>))
+      return &ex.template target<basic_executor<false>>()->loop();
+    if (ex.target_type() == typeid(basic_executor<true>))
+      return &ex.template target<basic_executor<true>>()->loop();
 #endif
+    return nullptr;  // unknown: dispatched (and the driver kicked, a wasted poll at worst)
   } else {
     (void)ex;
-    return false;
+    return nullptr;
   }
 }
-
-// Called on the loop thread, from the operation's frame.
-template <class Handler, class... Args>
-void complete(Handler&& handler, bool posted, shuttle::io_context& loop, Args&&... args) {
-  auto ex = net::get_associated_executor(handler, executor(loop, nullptr));
-  bound_completion<std::decay_t<Handler>, std::decay_t<Args>...> c{std::forward<Handler>(handler),
-                                                                   {std::forward<Args>(args)...}};
-  const bool kick = driver_kick && !is_shuttle_executor(ex);
-  if (posted)
-    net::post(ex, std::move(c));
-  else
-    net::dispatch(ex, std::move(c));
-  // If that queued the handler on an asio::io_context driven by this loop,
-  // the driver polls it on the loop's next turn.
-  if (kick) *driver_kick = true;
+template <class Ex>
+bool is_shuttle_executor(const Ex& ex) noexcept {
+  return shuttle_loop_of(ex) != nullptr;
 }
 
 // Detects completion inside the initiating call: the frame holds a pointer to
@@ -175,9 +178,13 @@ struct launch {
 };
 
 struct forward_stop {
-  std::stop_source* to;
-  void operator()() const noexcept { to->request_stop(); }
+  std::stop_source to;
+  void operator()() noexcept { to.request_stop(); }
 };
+// An explicit stop token together with an Asio slot (rare): the token feeds
+// the slot's source while the operation runs. Outside the frame, which stays
+// small for the common case.
+using stop_forwarder = std::stop_callback<forward_stop>;
 
 #if SHUTTLE_ASIO_HAS_CANCELLATION_SLOTS
 struct slot_handler {
@@ -189,52 +196,136 @@ struct slot_handler {
 };
 #endif
 
-template <class Handler, class Factory>
-shuttle::detail::driver run_op(Handler handler, Factory factory, launch* l, shuttle::io_context* loop,
-                               std::stop_token forward_from, std::stop_source forward_to) {
-  launch* lp = l;
-  if (lp) lp->slot = &lp;
-  // An explicit token and an Asio slot together: the token feeds the slot's source.
-  std::optional<std::stop_callback<forward_stop>> fwd;
-  if (forward_from.stop_possible() && forward_to.stop_possible()) fwd.emplace(forward_from, forward_stop{&forward_to});
+// An operation's state, the first parameter of its frame (parameters live
+// until the frame is destroyed, after the final suspension, where the upcall
+// moves handler and results out). Small on purpose: the frame is touched
+// right after the kernel round trip.
+template <class Handler, class... Args>
+struct op_state {
+  Handler handler;
+  shuttle::io_context* loop;
+  launch* launcher;  // non-null while the initiating function runs
+  bool direct;       // the handler's executor is this loop's shuttle executor
+  bool posted = false;
+  std::optional<std::tuple<Args...>> args;
+  std::unique_ptr<stop_forwarder> forward;
+
+  // The frame is allocated with the handler's associated allocator.
+  using allocator_type = net::associated_allocator_t<Handler>;
+  allocator_type get_allocator() const noexcept { return net::get_associated_allocator(handler); }
+
+  template <class... A>
+  void set(A&&... a) {
+    args.emplace(std::forward<A>(a)...);
+  }
+
+  static void upcall(void* self, op_coro::handle h) noexcept {
+    auto& st = *static_cast<op_state*>(self);
+    bound_completion<Handler, Args...> call{std::move(st.handler), std::move(*st.args)};
+    shuttle::io_context* loop = st.loop;
+    const bool direct = st.direct, posted = st.posted;
+    h.destroy();  // Asio's rule: the operation's memory is freed before the upcall
+    // A handler that throws ends the program (it runs inside the loop's completion).
+    if (direct) {
+      // dispatch() on shuttle's executor, from its own thread, calls inline:
+      // do it without Asio's type-erased executor function (an allocation
+      // and two executor hops). The Asio thread scope lets Asio recycle the
+      // frames of the awaitable coroutine that the handler resumes.
+      with_asio_thread(call);
+      return;
+    }
+    auto ex = net::get_associated_executor(call.handler, executor(*loop, nullptr));
+    const bool kick = driver_kick && !is_shuttle_executor(ex);
+    // Asio's queued handler (an asio::io_context's operation) from its cache.
+    with_asio_thread([&] {
+      if (posted)
+        net::post(ex, std::move(call));
+      else
+        net::dispatch(ex, std::move(call));
+    });
+    // If that queued the handler on an asio::io_context driven by this loop,
+    // the driver polls it on the loop's next turn.
+    if (kick) *driver_kick = true;
+  }
+};
+
+template <class Handler, class Signature>
+struct op_state_for;
+template <class Handler, class... Args>
+struct op_state_for<Handler, void(Args...)> {
+  using type = op_state<Handler, Args...>;
+};
+
+// Resumes the frame on the loop's next turn (same thread).
+struct repost {
+  shuttle::io_context* loop;
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) const { loop->post(h); }
+  void await_resume() const noexcept {}
+};
+
+// co_await set_upcall{...}: registers the final upcall, without suspending.
+struct set_upcall {
+  op_coro::upcall_fn fn;
+  void* arg;
+  bool await_ready() const noexcept { return false; }
+  bool await_suspend(op_coro::handle h) const noexcept {
+    h.promise().upcall = fn;
+    h.promise().upcall_arg = arg;
+    return false;
+  }
+  void await_resume() const noexcept {}
+};
+
+template <class Factory, class State>
+op_coro run_op(State st, Factory factory) {
+  co_await set_upcall{&State::upcall, &st};
+  if (st.launcher) st.launcher->slot = &st.launcher;
 
   using R = factory_result_t<Factory>;
   using traits = completion_of<R>;
-  std::exception_ptr error;
-  std::optional<non_void_t<R>> value;
   try {
     if constexpr (std::is_void_v<R>) {
       co_await factory();
-      value.emplace();
+      st.set(std::exception_ptr{});
+    } else if constexpr (!traits::is_result) {
+      st.set(std::exception_ptr{}, co_await factory());
+    } else if constexpr (std::is_same_v<R, result<void>>) {
+      R r = co_await factory();
+      st.set(to_boost(r ? std::error_code{} : r.error()));
     } else {
-      value.emplace(co_await factory());
+      R r = co_await factory();
+      if (r)
+        st.set(boost::system::error_code{}, std::move(*r));
+      else
+        st.set(to_boost(r.error()), typename R::value_type{});
     }
   } catch (...) {
-    error = std::current_exception();
-  }
-  fwd.reset();
-  const bool posted = lp != nullptr;
-  if (lp) lp->slot = nullptr;
-
-  if constexpr (traits::is_result) {
-    std::error_code ec = error ? error_of(error) : value->error();
-    if constexpr (std::is_same_v<R, result<void>>) {
-      complete(std::move(handler), posted, *loop, to_boost(ec));
-    } else {
-      using T = typename R::value_type;
-      if (!error && *value)
-        complete(std::move(handler), posted, *loop, boost::system::error_code{}, std::move(**value));
-      else
-        complete(std::move(handler), posted, *loop, to_boost(ec), T{});
-    }
-  } else if constexpr (std::is_void_v<R>) {
-    complete(std::move(handler), posted, *loop, error);
-  } else {
-    if (error)
-      complete(std::move(handler), posted, *loop, error, R{});
+    // An exception escaping the operation: to the handler, as an error code
+    // when the signature has one.
+    auto e = std::current_exception();
+    if constexpr (std::is_void_v<R>)
+      st.set(e);
+    else if constexpr (!traits::is_result)
+      st.set(e, R{});
+    else if constexpr (std::is_same_v<R, result<void>>)
+      st.set(to_boost(error_of(e)));
     else
-      complete(std::move(handler), posted, *loop, std::exception_ptr{}, std::move(*value));
+      st.set(to_boost(error_of(e)), typename R::value_type{});
   }
+  st.forward.reset();
+  // Asio's rule: a handler is never called from inside the initiating
+  // function. When the handler runs on this loop, the frame itself waits for
+  // the loop's next turn (no second allocation); otherwise Asio's post.
+  if (st.launcher) {
+    st.launcher->slot = nullptr;
+    st.launcher = nullptr;
+    if (st.direct)
+      co_await repost{st.loop};
+    else
+      st.posted = true;
+  }
+  // The upcall runs at the final suspension, after the frame is freed.
 }
 
 struct initiate_run {
@@ -244,29 +335,30 @@ struct initiate_run {
 
   template <class Handler, class Factory>
   void operator()(Handler&& handler, Factory factory) const {
+    using State = typename op_state_for<std::decay_t<Handler>, signature_of_t<Factory>>::type;
     std::stop_token stop = token;
-    std::stop_source forward_to(std::nostopstate);
+    std::unique_ptr<stop_forwarder> forward;
 #if SHUTTLE_ASIO_HAS_CANCELLATION_SLOTS
     auto slot = net::get_associated_cancellation_slot(handler);
     if (slot.is_connected() && accepted != cancel_on::none) {
       std::stop_source src;
       slot.template emplace<slot_handler>(slot_handler{src, accepted});
-      if (token.stop_possible()) forward_to = src;
+      if (token.stop_possible()) forward = std::make_unique<stop_forwarder>(token, forward_stop{src});
       stop = src.get_token();
     }
 #endif
-    if (loop->running_in_this_thread()) {
-      launch l;
-      auto d = run_op(std::forward<Handler>(handler), std::move(factory), &l, loop, token, std::move(forward_to));
-      d.set_stop_token(std::move(stop));
-      d.on_done(nullptr, nullptr, true);
-      d.release().resume();
+    const bool direct = shuttle_loop_of(net::get_associated_executor(handler, executor(*loop, nullptr))) == loop;
+    const bool here = loop->running_in_this_thread();
+    launch l;
+    op_coro op = run_op<Factory, State>(
+        State{std::forward<Handler>(handler), loop, here ? &l : nullptr, direct, false, std::nullopt, std::move(forward)},
+        std::move(factory));
+    op.promise().stop = std::move(stop);
+    if (here) {
+      op.release().resume();
       if (l.slot) *l.slot = nullptr;  // still running: it completes from the loop
     } else {
-      auto d = run_op(std::forward<Handler>(handler), std::move(factory), nullptr, loop, token, std::move(forward_to));
-      d.set_stop_token(std::move(stop));
-      d.on_done(nullptr, nullptr, true);
-      detail::post_remote(*loop, [h = d.release()] { h.resume(); });
+      detail::post_remote(*loop, [h = op.release()] { h.resume(); });
     }
   }
 };

@@ -2,20 +2,40 @@
 // headers (or this one) before any other Boost.Asio header in a translation
 // unit: the macros below must be seen by Asio's own configuration.
 //
-// Supported Boost range: 1.74 (Debian 12, the tested floor) and later. The
-// interop adapts to the Asio it is compiled against:
-//   - Boost >= 1.77 (Asio 1.20): per-operation cancellation slots map onto
-//     shuttle's stop tokens (SHUTTLE_ASIO_HAS_CANCELLATION_SLOTS);
-//   - Boost >= 1.80 (Asio 1.24): asio::deferred, experimental::as_tuple and
-//     the awaitable operators || and && work with every shuttle operation
-//     (they are Asio features; shuttle's initiations are ordinary
-//     async_initiate ones, so nothing shuttle-specific is needed);
-//   - Boost 1.74 - 1.76: use_awaitable, use_future, callbacks, redirect_error,
-//     bind_executor, co_spawn; per-operation cancellation through an explicit
-//     std::stop_token (async_run's overload) since Asio has no slots yet.
+// Supported Boost range: 1.74 (Debian 12's libboost-dev, the floor) to 1.81
+// (Debian 12's libboost1.81-dev), both built and tested in CI (the asio
+// suites; tools/boost-alt.sh unpacks 1.81 beside the system 1.74). Later
+// Boost versions are expected to work (nothing below relies on anything
+// removed since) but are not tested; earlier ones are refused.
+//
+// Which completion-token forms exist depends on the Asio in that Boost;
+// shuttle's initiations are ordinary async_initiate ones, so every form Asio
+// has works with every shuttle operation, and a form Asio lacks is compiled
+// out (the test suites report it as skipped, with the reason):
+//
+//   form                                      Boost   macro
+//   use_awaitable, use_future, callbacks,     1.74+   (always)
+//   redirect_error, bind_executor, co_spawn,
+//   detached; cancellation through an
+//   explicit std::stop_token (async_run's
+//   overload)
+//   per-operation cancellation slots           1.77+   SHUTTLE_ASIO_HAS_CANCELLATION_SLOTS
+//   (bind_cancellation_slot, co_spawn's and
+//   the awaitable operators' cancellation)
+//   deferred, as_tuple, bind_allocator,        1.80+   SHUTTLE_ASIO_HAS_DEFERRED
+//   awaitable operators || and && (tested
+//   with 1.80 and 1.81; 1.77-1.79 have
+//   experimental:: forms, not tested)
+//
+// Boost 1.74's Asio predates all of the 1.77+/1.80+ rows: no cancellation
+// slots (cancel through a std::stop_token instead), no deferred, as_tuple or
+// awaitable operators (not even as experimental::).
+//
 // The driven-io_context mode (asio_driver.hpp) reads the epoll reactor's fd,
 // an Asio internal that has been stable from Boost 1.66 to 1.90; it requires
 // the epoll reactor (Linux default; not BOOST_ASIO_HAS_IO_URING_AS_DEFAULT).
+// recycling.hpp uses Asio's per-thread memory cache (detail::call_stack,
+// thread_info_base), the same in 1.74 and 1.81.
 #pragma once
 
 // Boost 1.74's awaitable.hpp uses std::exchange without including <utility>.
@@ -47,10 +67,15 @@
 #  error "shuttle's Asio interop needs Boost >= 1.74"
 #endif
 
-#if BOOST_ASIO_VERSION >= 102000
+#if BOOST_ASIO_VERSION >= 102000  // Boost 1.77
 #  define SHUTTLE_ASIO_HAS_CANCELLATION_SLOTS 1
 #else
 #  define SHUTTLE_ASIO_HAS_CANCELLATION_SLOTS 0
+#endif
+#if BOOST_ASIO_VERSION >= 102400  // Boost 1.80
+#  define SHUTTLE_ASIO_HAS_DEFERRED 1
+#else
+#  define SHUTTLE_ASIO_HAS_DEFERRED 0
 #endif
 
 namespace boost::asio {}

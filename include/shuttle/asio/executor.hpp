@@ -21,6 +21,7 @@
 #pragma once
 
 #include <shuttle/asio/config.hpp>
+#include <shuttle/asio/recycling.hpp>
 
 #include <exception>
 #include <memory>
@@ -29,7 +30,6 @@
 #include <boost/asio/execution.hpp>
 #include <boost/asio/execution_context.hpp>
 
-#include <shuttle/detail/driver.hpp>
 #include <shuttle/detail/io_op.hpp>
 #include <shuttle/io_context.hpp>
 
@@ -42,18 +42,17 @@ namespace detail {
 inline thread_local bool* driver_kick = nullptr;
 
 // A function run on a later turn of the loop (same thread), as a detached
-// driver coroutine: the frame is the only allocation.
+// coroutine whose frame is recycled (recycling.hpp): no allocation in the
+// steady state.
 template <class F>
-shuttle::detail::driver run_posted(F f) {
-  f();
+op_coro run_posted(F f) {
+  with_asio_thread(f);
   co_return;
 }
 
 template <class F>
 void post_local(shuttle::io_context& loop, F&& f) {
-  auto d = run_posted(std::decay_t<F>(std::forward<F>(f)));
-  d.on_done(nullptr, nullptr, true);
-  loop.post(d.release());
+  loop.post(run_posted(std::decay_t<F>(std::forward<F>(f))).release());
 }
 
 // From another thread: through the loop's remote queue (intrusive node).
@@ -66,7 +65,7 @@ void post_remote(shuttle::io_context& loop, F&& f) {
   auto* o = new op(std::forward<F>(f));
   o->run = [](shuttle::detail::remote_op* r) noexcept {
     std::unique_ptr<op> self(static_cast<op*>(r));
-    self->fn();
+    with_asio_thread(self->fn);
   };
   loop.post_remote(o);
 }
@@ -119,7 +118,7 @@ class basic_executor {
     if constexpr (!Never) {
       if (loop_->running_in_this_thread()) {
         std::decay_t<F> local(std::forward<F>(f));
-        local();
+        detail::with_asio_thread(local);  // Asio recycles its memory here
         return;
       }
     }
