@@ -296,7 +296,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
       case opcode::send: {
         if (free_slots.empty()) co_return action::protocol;  // the peer ignored its credits
         std::uint32_t slot = free_slots.back();
-        auto r = co_await sock.read_exact(std::span(slot_data(slot), h.length));
+        auto r = co_await read_exact(std::span(slot_data(slot), h.length));
         if (!r) co_return action::io;
         free_slots.pop_back();
         inbound in{slot, h.length, {}};
@@ -329,7 +329,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
         }
         std::byte* p = *target;
         if (h.op == opcode::write || h.op == opcode::write_imm) {
-          auto r = co_await sock.read_exact(std::span(p, h.length));
+          auto r = co_await read_exact(std::span(p, h.length));
           if (!r) co_return action::io;
           if (h.op == opcode::write_imm) {
             if (free_slots.empty()) co_return action::protocol;
@@ -375,7 +375,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
       case opcode::read_resp: {
         op_rec* r = answered(h.seq);
         if (!r || r->op != opcode::read_req || r->read_dst.size() != h.length) co_return action::protocol;
-        auto rr = co_await sock.read_exact(r->read_dst);
+        auto rr = co_await read_exact(r->read_dst);
         if (!rr) co_return action::io;
         pop_complete(r, {}, 0);
         co_return action::next;
@@ -396,11 +396,31 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     co_return action::protocol;
   }
 
+  // read_exact that first takes what the socket already holds with a plain
+  // non-blocking recv straight into `buf` (still no user-space copy): a
+  // frame's payload, and often the next header, are there by the time its
+  // header is parsed, and a loop turn through io_uring costs more than the
+  // syscall. What is missing is awaited through io_uring.
+  task<result<void>> read_exact(std::span<std::byte> buf) {
+    while (!buf.empty()) {
+      ssize_t n = ::recv(sock.native_handle(), buf.data(), buf.size(), MSG_DONTWAIT);
+      if (n > 0) {
+        buf = buf.subspan(static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n == 0) co_return err(errc::eof);
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) co_return errno_code(errno);
+      co_return co_await sock.read_exact(buf);
+    }
+    co_return result<void>{};
+  }
+
   static task<void> reader_loop(std::shared_ptr<conn_state> s) {
     std::array<std::byte, header_size> hb{};
     std::error_code ec = err(errc::disconnected);
     for (;;) {
-      auto r = co_await s->sock.read_exact(hb);
+      auto r = co_await s->read_exact(hb);
       if (!r) break;
       auto h = decode_header(hb, s->lim);
       if (!h) {
@@ -436,6 +456,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     std::vector<out_frame> batch;
     std::vector<iovec> iov;
     std::array<std::byte, header_size> ackh{}, credh{};
+    bool ack_waited = false;
     batch.reserve(256);
     while (!s->stopping) {
       if (s->outq.empty() && s->ack_seq == s->ack_sent && s->credits_to_return == 0) {
@@ -446,6 +467,15 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
         co_await writer_park{*s};
         continue;
       }
+      if (s->outq.empty() && s->credits_to_return == 0 && !ack_waited) {
+        // Only an ACK to send: wait one loop turn, so that a response the
+        // application makes to what was just received (a ping-pong, an echo)
+        // carries it in the same segment instead of following it.
+        ack_waited = true;
+        co_await yield();
+        continue;
+      }
+      ack_waited = false;
       batch.clear();
       iov.clear();
       while (!s->outq.empty() && batch.size() < 256) {
@@ -680,6 +710,15 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     while (!s->stopping && !s->pending.empty()) {
       auto r = co_await s->idle.wait();
       if (!r) co_return r.error();
+    }
+    // What we owe the peer goes out first (the ACK of the message we just
+    // consumed, returned credits): the writer is parked with nothing left to
+    // send, so its last writev completed.
+    while (!s->stopping &&
+           (!s->writer_waiter || !s->outq.empty() || s->ack_seq != s->ack_sent || s->credits_to_return != 0)) {
+      if ((co_await get_stop_token()).stop_requested()) break;  // a cancelled close aborts
+      s->wake_writer();
+      co_await yield();
     }
     s->enter_error(err(errc::disconnected));
     if (!s->finished) {
