@@ -18,7 +18,7 @@
 # cost; cpu_ratio still compares the servers. Run on a quiet machine.
 #
 # Usage: bench/echo_bench.sh [BUILD_DIR] [DURATION_S] [SERVER_THREADS] [CLIENT_THREADS] [SHUTTLE_SERVER_ARGS]
-# Environment: REPS (default 3), CLIENT_ARGS (e.g. "--recv-ring 1024": same
+# Environment: REPS (default 3), SIZES ("64 4096"), CONNS ("1 64 1024"), CLIENT_ARGS (e.g. "--recv-ring 1024": same
 # client for both servers), SERVER_CPUS / CLIENT_CPUS (taskset CPU lists, e.g.
 # 1 and 0, to pin them apart; default: not pinned).
 # e.g. bench/echo_bench.sh build-bench 3 1 2 "--recv-ring 1024"
@@ -73,8 +73,8 @@ echo "echo_bench: $sthreads server thread(s), $cthreads client thread(s), ${dura
   "cpus server '${SERVER_CPUS:-any}' client '${CLIENT_CPUS:-any}', $(nproc) cpus, load $(cut -d' ' -f1 /proc/loadavg)"
 printf "%-6s %-6s %12s %10s %8s %12s %10s %8s %7s %9s\n" conns size shuttle_req/s srv_us/req p99_us \
   asio_req/s srv_us/req p99_us ratio cpu_ratio
-for size in 64 4096; do
-  for conns in 1 64 1024; do
+for size in ${SIZES:-64 4096}; do
+  for conns in ${CONNS:-1 64 1024}; do
     s_rps=() s_cpu=() s_p99=() a_rps=() a_cpu=() a_p99=()
     for rep in $(seq "$reps"); do
       for which in $([ $((rep % 2)) = 1 ] && echo "s a" || echo "a s"); do

@@ -2,7 +2,7 @@
 // a sink over shuttle's transport API, on one thread and one loop.
 //
 //   clients --framed records--> [ingest: asio::ip::tcp, awaitables]
-//        --channel<record>--> [compute: batches, CPU function (CUDA later)]
+//        --channel<record>--> [compute: batches, a CUDA kernel or the same function on the CPU]
 //        --channel<batch>-->  [network: transport write_with_imm into sink slots]
 //        --> sink (verifies every record, acks each slot; slow or dying on request)
 //
@@ -23,7 +23,14 @@
 //   stream_pipeline [--clients N] [--records-per-client M (0: until SIGINT)]
 //                   [--record-size B] [--batch R] [--queue Q] [--slots S]
 //                   [--sink-delay-us U] [--sink-die-after R] [--duration S]
-//                   [--report-ms MS]
+//                   [--report-ms MS] [--compute auto|cpu|gpu]
+//
+// --compute auto (the default) runs the compute stage's function as a CUDA
+// kernel when shuttle was built with CUDA and a GPU is present, on the CPU
+// otherwise. On the GPU a batch is packed into pinned memory, copied to the
+// device, processed by kernels::digest_and_mask, copied back, and the stage
+// awaits the stream on the loop (co_await cuda::wait(stream)): the loop keeps
+// serving ingest and network meanwhile.
 // Exit status: 0 when out == in, 3 when records were lost.
 #include <shuttle/asio/asio.hpp>  // first: configures Asio
 
@@ -37,6 +44,10 @@
 
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
+#if SHUTTLE_HAVE_CUDA
+#include <shuttle/cuda/cuda.hpp>
+#include <shuttle/cuda/kernels.hpp>
+#endif
 
 #include <algorithm>
 #include <csignal>
@@ -44,6 +55,7 @@
 #include <cstring>
 #include <list>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -71,6 +83,7 @@ struct config {
   unsigned report_ms = 1000;
   bool quiet = false;
   bool install_sigint = true;
+  enum class compute_on { automatic, cpu, gpu } compute = compute_on::automatic;
   // Benchmarks: run one stage alone. ingest: compute only drains the ingest
   // channel; network: compute feeds synthetic batches (synthetic_records of
   // them) straight to the network stage, with no clients.
@@ -124,6 +137,66 @@ inline void process(batch& b) {
   }
 }
 
+#if SHUTTLE_HAVE_CUDA
+// The compute function on the GPU. Buffers grow to the largest batch seen.
+class gpu_compute {
+ public:
+  // Whether a GPU can run it (a CUDA build and a device).
+  static bool available() noexcept { return shuttle::cuda::device_count() > 0; }
+
+  task<result<void>> run(batch& b) {
+    const std::size_t n = b.recs.size();
+    std::size_t bytes = 0;
+    for (auto& r : b.recs) bytes += r.payload.size();
+    reserve(bytes, n);
+    auto* offsets = reinterpret_cast<std::uint64_t*>(host_.data());
+    auto* digests = offsets + (n + 1);
+    std::byte* payload = host_.data() + table_bytes(n);
+    std::uint64_t off = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      offsets[i] = off;
+      std::memcpy(payload + off, b.recs[i].payload.data(), b.recs[i].payload.size());
+      off += b.recs[i].payload.size();
+    }
+    offsets[n] = off;
+    const std::size_t total = table_bytes(n) + bytes;
+    auto* d_offsets = reinterpret_cast<std::uint64_t*>(dev_.data());
+    auto* d_payload = reinterpret_cast<std::uint8_t*>(dev_.data() + table_bytes(n));
+    cudaError_t e = cudaMemcpyAsync(dev_.data(), host_.data(), total, cudaMemcpyHostToDevice, stream_);
+    if (e == cudaSuccess) e = shuttle::cuda::kernels::digest_and_mask(d_payload, d_offsets, n, d_offsets + (n + 1), stream_);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host_.data(), dev_.data(), total, cudaMemcpyDeviceToHost, stream_);
+    if (e != cudaSuccess) co_return shuttle::cuda::make_error_code(e);
+    auto done = co_await shuttle::cuda::wait(stream_);
+    if (!done) {
+      // Cancelled (or failed): the copies may still be landing in host_;
+      // they are finished before anyone touches or frees it again.
+      (void)cudaStreamSynchronize(stream_);
+      co_return done.error();
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      auto& r = b.recs[i];
+      r.digest = digests[i];
+      std::memcpy(r.payload.data(), payload + offsets[i], r.payload.size());
+    }
+    co_return result<void>{};
+  }
+
+ private:
+  // offsets (n + 1) and digests (n), 8 bytes each, before the payloads.
+  static std::size_t table_bytes(std::size_t n) { return (2 * n + 1) * 8; }
+  void reserve(std::size_t bytes, std::size_t n) {
+    std::size_t need = table_bytes(n) + bytes;
+    if (need <= host_.size()) return;
+    need = std::max(need * 2, std::size_t(1) << 20);
+    host_ = shuttle::cuda::pinned_buffer(need);
+    dev_ = shuttle::cuda::device_buffer(need);
+  }
+  shuttle::cuda::stream stream_;
+  shuttle::cuda::pinned_buffer host_;
+  shuttle::cuda::device_buffer dev_;
+};
+#endif
+
 inline void put64(std::byte* p, std::uint64_t v) { std::memcpy(p, &v, 8); }
 inline void put32(std::byte* p, std::uint32_t v) { std::memcpy(p, &v, 4); }
 inline std::uint64_t get64(const std::byte* p) { std::uint64_t v; std::memcpy(&v, p, 8); return v; }
@@ -152,7 +225,25 @@ struct stage_metrics {
 class pipeline {
  public:
   pipeline(shuttle::io_context&, net::io_context& actx, config cfg)
-      : actx_(actx), cfg_(cfg), ingest_ch_(cfg.queue), batch_ch_(std::max<std::size_t>(1, cfg.queue / cfg.batch)) {}
+      : actx_(actx), cfg_(cfg), ingest_ch_(cfg.queue), batch_ch_(std::max<std::size_t>(1, cfg.queue / cfg.batch)) {
+#if SHUTTLE_HAVE_CUDA
+    if (cfg.compute == config::compute_on::gpu && !gpu_compute::available())
+      throw std::runtime_error("--compute gpu: no usable GPU on this machine (cudaGetDeviceCount found none)");
+    if (cfg.compute == config::compute_on::gpu ||
+        (cfg.compute == config::compute_on::automatic && gpu_compute::available()))
+      gpu_.emplace();
+#endif
+    if (cfg.compute == config::compute_on::gpu && !on_gpu())
+      throw std::runtime_error("--compute gpu: this build has no CUDA layer (configure with -Dcuda=enabled)");
+  }
+  // Where the compute stage runs.
+  bool on_gpu() const noexcept {
+#if SHUTTLE_HAVE_CUDA
+    return gpu_.has_value();
+#else
+    return false;
+#endif
+  }
 
   task<report> run();
   void request_stop() { stop_.request_stop(); }
@@ -188,6 +279,9 @@ class pipeline {
   unsigned sessions_live_ = 0, clients_live_ = 0;
   shuttle::event ingest_done_, clients_done_, network_done_;
   stage_metrics m_ingest_{"ingest", 0, 0, {}}, m_compute_{"compute", 0, 0, {}}, m_network_{"network", 0, 0, {}};
+#if SHUTTLE_HAVE_CUDA
+  std::optional<gpu_compute> gpu_;  // the compute stage runs on the GPU
+#endif
   // network stage state
   std::vector<std::vector<std::byte>> local_slots_;
   shuttle::channel<std::uint32_t>* free_slots_ = nullptr;
@@ -317,7 +411,19 @@ task<void> pipeline::compute_stage() {
       if (!more) break;
       b.recs.push_back(std::move(*more));
     }
+#if SHUTTLE_HAVE_CUDA
+    if (gpu_) {
+      auto done = co_await gpu_->run(b);
+      if (!done) {
+        fail("compute stage (GPU): " + done.error().message());  // the batch's records count as lost
+        break;
+      }
+    } else {
+      process(b);
+    }
+#else
     process(b);
+#endif
     auto now = clock::now();
     for (auto& rec : b.recs) m_compute_.add(rec.t_in, now);
     auto sent = co_await batch_ch_.send(std::move(b));
@@ -569,7 +675,7 @@ void usage() {
   std::fprintf(stderr,
                "usage: stream_pipeline [--clients N] [--records-per-client M] [--record-size B] [--batch R]\n"
                "         [--queue Q] [--slots S] [--sink-delay-us U] [--sink-die-after R] [--duration S]\n"
-               "         [--report-ms MS] [--quiet]\n");
+               "         [--report-ms MS] [--quiet] [--compute auto|cpu|gpu]\n");
 }
 }  // namespace
 
@@ -596,6 +702,16 @@ int main(int argc, char** argv) {
     else if (a == "--duration") cfg.duration_s = next();
     else if (a == "--report-ms") cfg.report_ms = unsigned(next());
     else if (a == "--quiet") cfg.quiet = true;
+    else if (a == "--compute" && i + 1 < argc) {
+      std::string_view v = argv[++i];
+      if (v == "auto") cfg.compute = config::compute_on::automatic;
+      else if (v == "cpu") cfg.compute = config::compute_on::cpu;
+      else if (v == "gpu") cfg.compute = config::compute_on::gpu;
+      else {
+        usage();
+        return 2;
+      }
+    }
     else {
       usage();
       return 2;
@@ -605,10 +721,14 @@ int main(int argc, char** argv) {
   shuttle::io_context loop;
   net::io_context actx(1);
   report r;
-  {
+  try {
     sa::asio_driver driver(loop, actx);
     pipeline p(loop, actx, cfg);
+    std::printf("stream_pipeline: compute stage on the %s\n", p.on_gpu() ? "GPU (CUDA kernel)" : "CPU");
     r = loop.run(p.run());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "stream_pipeline: %s\n", e.what());
+    return 2;
   }
   std::printf("stream_pipeline: %.2fs  clients sent %llu  in %llu (checksum %016llx)  sink confirmed %llu (checksum %016llx)"
               "  lost %llu  corrupt %llu  -> %.0f rec/s\n",

@@ -6,7 +6,11 @@
 #     shuttle's RDMA semantics over TCP);
 #  4. the RDMA-style transfer pipeline over the transport API
 #     (shuttle-transfer, over the tcp provider so that it runs anywhere;
-#     `--transport rdma --addr ADDR` runs it on an RDMA NIC).
+#     `--transport rdma --addr ADDR` runs it on an RDMA NIC);
+#  5. the streaming pipeline (examples/stream_pipeline: Asio ingest, compute,
+#     shuttle transport to a sink that confirms count and checksum);
+#  6. with a CUDA build on a machine with a GPU: shuttle-info and the GPU
+#     pipeline (shuttle-gpu-pipeline, checksums verified per chunk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install-deps.sh
@@ -62,4 +66,15 @@ tail -n 1 "$log"
 
 echo "== transfer pipeline over the transport API"
 ./build-demo/examples/shuttle-transfer --transport tcp-provider --chunks 512 --chunk-size 1m --slots 8
+
+echo "== streaming pipeline: Asio TCP ingest -> compute -> shuttle transport -> sink (counts and checksums)"
+./build-demo/examples/stream_pipeline --clients 8 --records-per-client 20000
+
+if [ -x ./build-demo/examples/shuttle-gpu-pipeline ] && nvidia-smi -L >/dev/null 2>&1; then
+  echo "== GPU pipeline: producer kernel -> staged transfer -> consumer kernel, checksums per chunk"
+  ./build-demo/examples/shuttle-info
+  ./build-demo/examples/shuttle-gpu-pipeline 256 1024 16
+else
+  echo "== GPU pipeline: skipped (no CUDA build or no GPU on this machine)"
+fi
 echo "demo: done"

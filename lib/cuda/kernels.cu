@@ -112,4 +112,24 @@ cudaError_t spin(std::uint64_t ns, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+__global__ void digest_and_mask_kernel(std::uint8_t* data, const std::uint64_t* offsets, std::size_t count,
+                                       std::uint64_t* digests) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < count;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    std::uint64_t h = 1469598103934665603ull;
+    for (std::uint64_t k = offsets[i]; k < offsets[i + 1]; ++k) {
+      h = (h ^ data[k]) * 1099511628211ull;
+      data[k] ^= 0x5a;
+    }
+    digests[i] = h;
+  }
+}
+
+cudaError_t digest_and_mask(std::uint8_t* data, const std::uint64_t* offsets, std::size_t count,
+                            std::uint64_t* digests, cudaStream_t s) {
+  if (count == 0) return cudaSuccess;
+  digest_and_mask_kernel<<<blocks_for(count), threads, 0, s>>>(data, offsets, count, digests);
+  return cudaGetLastError();
+}
+
 }  // namespace shuttle::cuda::kernels

@@ -19,6 +19,12 @@ for cfg in "512 2048 2 4" "512 2048 3 8" "512 1024 4 8"; do
   echo "=== gpu_pipeline_bench $cfg"; timeout 120 "$D/gpu_pipeline_bench" $cfg 2>&1
   rc=$?; [ $rc -ne 0 ] && { echo "=== gpu_pipeline_bench rc=$rc"; fail=1; }
 done
-echo "=== shuttle-gpu-pipeline"; timeout 60 "$D/shuttle-gpu-pipeline" 256 1024 16 2>&1; echo "rc=$?"
+echo "=== shuttle-gpu-pipeline"; timeout 60 "$D/shuttle-gpu-pipeline" 256 1024 16 2>&1
+rc=$?; echo "rc=$rc"; [ $rc -ne 0 ] && fail=1
+if [ -x "$D/stream_pipeline" ]; then
+  echo "=== stream_pipeline, compute stage on the GPU"
+  timeout 60 bash "$(dirname "$0")/stream-pipeline-gpu.sh" "$D/stream_pipeline" 2>&1
+  rc=$?; echo "rc=$rc"; [ $rc -ne 0 ] && fail=1
+fi
 echo "=== shuttle-info"; timeout 30 "$D/shuttle-info" 2>&1
 exit $fail

@@ -31,6 +31,14 @@ cudaError_t checksum(const void* src, std::size_t n, std::uint64_t base, unsigne
 // Host reference of checksum() over the pattern.
 std::uint64_t pattern_checksum(std::size_t n, std::uint64_t base, std::uint32_t seed) noexcept;
 
+// The streaming pipeline's compute function (examples/stream_pipeline), the
+// same as its CPU version: record i is bytes [offsets[i], offsets[i+1]) of
+// `data`; digests[i] = 64-bit FNV-1a of the record as it was, then every byte
+// of it is XORed with 0x5a. One thread per record. All pointers are device
+// memory (or mapped pinned memory).
+cudaError_t digest_and_mask(std::uint8_t* data, const std::uint64_t* offsets, std::size_t count,
+                            std::uint64_t* digests, cudaStream_t s);
+
 // A producer: fill_pattern plus `rounds` of dependent arithmetic per 16 bytes
 // (the result is unchanged; rounds only set the kernel's cost).
 cudaError_t produce(void* dst, std::size_t n, std::uint64_t base, std::uint32_t seed, unsigned rounds, cudaStream_t s);
