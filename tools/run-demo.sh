@@ -68,7 +68,7 @@ echo "== transfer pipeline over the transport API"
 ./build-demo/examples/shuttle-transfer --transport tcp-provider --chunks 512 --chunk-size 1m --slots 8
 
 echo "== streaming pipeline: Asio TCP ingest -> compute -> shuttle transport -> sink (counts and checksums)"
-./build-demo/examples/stream_pipeline --clients 8 --records-per-client 20000
+./build-demo/examples/stream_pipeline --clients 8 --records-per-client 20000 --report-ms 250
 
 if [ -x ./build-demo/examples/shuttle-gpu-pipeline ] && nvidia-smi -L >/dev/null 2>&1; then
   echo "== GPU pipeline: producer kernel -> staged transfer -> consumer kernel, checksums per chunk"
