@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp}
 set -o pipefail
 nvidia-smi -L 2>&1 | head -2
 fail=0
-for t in test_gpu_await test_gpu_registration test_gpu_staged; do
+for t in test_gpu_await test_gpu_registration test_gpu_staged test_gpu_ordered; do
   echo "=== $t"
   timeout 240 "$D/$t" 2>&1 | tail -25
   rc=$?; echo "=== $t rc=$rc"; [ $rc -ne 0 ] && fail=1

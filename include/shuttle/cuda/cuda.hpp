@@ -45,6 +45,9 @@
 // it never calls CUDA from the callback, never blocks CUDA's callback thread
 // and is not placed in the user's stream, so it never delays later work.
 //
+// Stream-ordered network operations (an RDMA write posted when a stream
+// reaches a point): cuda/ordered.hpp, write_after and friends.
+//
 // A completion made visible to a stream: cuda::stream_flag is a word in
 // mapped pinned memory; flag.enqueue_wait(stream, v) makes the stream wait
 // (cuStreamWaitValue32, GEQ) until the loop calls flag.set(v), so a consumer
