@@ -882,6 +882,26 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     maybe_send_credits();
   }
 
+  // The stop callback of an operation whose work requests the NIC may hold:
+  // they cannot be withdrawn alone, so the connection goes to the error state
+  // (from the loop's thread) and the operation resumes on the flushed
+  // completion.
+  template <class Wait>
+  struct cancel_in_flight {
+    Wait* self;
+    void operator()() const noexcept {
+      self->cancelled.store(true);
+      if (self->ctx->running_in_this_thread()) {
+        self->c->fail(disconnected());
+      } else {
+        std::weak_ptr<conn_state> wp = self->c->weak_from_this();
+        self->ctx->dispatch([wp] {
+          if (auto s = wp.lock()) s->fail(disconnected());
+        });
+      }
+    }
+  };
+
   // Posts one signaled WR and waits for its completion. `credit`: it consumes
   // a receive on the peer. `atomic_result`: local sge is a scratch word whose
   // value is returned.
@@ -893,20 +913,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     std::uint32_t byte_len = 0;
     bool done = false;
     std::atomic<bool> cancelled{false};
-    struct cancel_cb {
-      op_wait* self;
-      void operator()() const noexcept {
-        self->cancelled.store(true);
-        if (self->ctx->running_in_this_thread()) {
-          self->c->fail(disconnected());
-        } else {
-          std::weak_ptr<conn_state> wp = self->c->weak_from_this();
-          self->ctx->dispatch([wp] {
-            if (auto s = wp.lock()) s->fail(disconnected());
-          });
-        }
-      }
-    };
+    using cancel_cb = cancel_in_flight<op_wait>;
     std::optional<std::stop_callback<cancel_cb>> scb;
 
     bool await_ready() const noexcept { return done; }
@@ -1030,20 +1037,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     std::coroutine_handle<> h{};
     std::size_t pending = 0;  // chunks posted, not completed
     std::atomic<bool> cancelled{false};
-    struct cancel_cb {
-      batch_wait* self;
-      void operator()() const noexcept {
-        self->cancelled.store(true);
-        if (self->ctx->running_in_this_thread()) {
-          self->c->fail(disconnected());
-        } else {
-          std::weak_ptr<conn_state> wp = self->c->weak_from_this();
-          self->ctx->dispatch([wp] {
-            if (auto s = wp.lock()) s->fail(disconnected());
-          });
-        }
-      }
-    };
+    using cancel_cb = cancel_in_flight<batch_wait>;
     std::optional<std::stop_callback<cancel_cb>> scb;
 
     void chunk_done() noexcept {
