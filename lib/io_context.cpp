@@ -21,10 +21,14 @@ thread_local io_context* current_context = nullptr;
 // Tries the fastest ring set-up first and falls back for older kernels:
 // DEFER_TASKRUN (6.1) runs completion work only when this thread enters the
 // ring, SINGLE_ISSUER (6.0) drops submission locking, COOP_TASKRUN (5.19)
-// avoids interrupting the thread with task work.
-void init_ring(io_uring& ring, unsigned entries) {
+// avoids interrupting the thread with task work. TASKRUN_FLAG makes the
+// kernel say (in the SQ flags) when such work waits, so a busy-polling loop
+// can skip io_uring_enter while there is none. Returns whether it is set.
+bool init_ring(io_uring& ring, unsigned entries) {
   const unsigned attempts[] = {
+      IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG,
       IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
+      IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG,
       IORING_SETUP_COOP_TASKRUN,
       0,
   };
@@ -38,7 +42,7 @@ void init_ring(io_uring& ring, unsigned entries) {
       // Every io_uring_enter then skips looking the ring's fd up (5.18+);
       // best effort: older kernels just keep the lookup.
       (void)io_uring_register_ring_fd(&ring);
-      return;
+      return (flags & IORING_SETUP_TASKRUN_FLAG) != 0;
     }
     if (err != -EINVAL) break;
   }
@@ -51,7 +55,7 @@ io_context::io_context() : io_context(options{}) {}
 io_context::io_context(options opts) : thread_(std::this_thread::get_id()), opts_(opts) {
   if (current_context)
     throw std::logic_error("shuttle::io_context: this thread already has an io_context (one per thread)");
-  init_ring(ring_, opts_.sq_entries);
+  taskrun_flag_ = init_ring(ring_, opts_.sq_entries);
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) {
     int e = errno;
@@ -272,28 +276,51 @@ void io_context::run_until(const bool& done, bool stoppable) {
   using clock = std::chrono::steady_clock;
   auto last_work = clock::now();
   auto last_completion = last_work;  // for ring_spin_budget
+  // A busy-polling turn must cost little more than the polls themselves:
+  // the clock is read once every `clock_every` turns (a clock_gettime can
+  // take microseconds, e.g. with an emulated HPET clocksource), work seen in
+  // between is stamped at the next read; and the kernel is entered only when
+  // there is something to submit or completion work waiting (taskrun flag),
+  // or else once every `enter_every` turns.
+  constexpr unsigned clock_every = 16, enter_every = 64;
+  unsigned turn = 0;
+  bool spinning = false, work_unstamped = false, completion_unstamped = false;
   while (!done && !(stoppable && stop_requested_.load(std::memory_order_relaxed))) {
     // Remote work first: a task posted here before the loop started (a
     // spawn) must be running before the ready coroutines look for it.
     bool work = drain_remote();
     run_ready();
-    if (!pollers_.empty() && poll_pollers()) work = true;
+    if (!pollers_.empty() && poll_pollers()) {
+      work = true;
+      run_ready();  // what the pollers woke runs now, not after this turn's ring checks
+    }
     if (done) break;
-    bool spinning = false;
-    if (!pollers_.empty() || opts_.ring_spin_budget.count() > 0) {
-      auto now = clock::now();
-      if (work) last_work = now;
-      spinning = (!pollers_.empty() && now - last_work < opts_.spin_budget) ||
-                 now - last_completion < opts_.ring_spin_budget;
+    ++turn;
+    if (pollers_.empty() && opts_.ring_spin_budget.count() == 0) {
+      spinning = false;
+    } else {
+      if (work) work_unstamped = true;
+      if (!spinning || turn % clock_every == 0) {  // a turn about to stop spinning looks first
+        auto now = clock::now();
+        if (work_unstamped) last_work = now;
+        if (completion_unstamped) last_completion = now;
+        work_unstamped = completion_unstamped = false;
+        spinning = (!pollers_.empty() && now - last_work < opts_.spin_budget) ||
+                   now - last_completion < opts_.ring_spin_budget;
+      }
     }
     if (work || !ready_.empty() || spinning) {
       // Submit what is queued and run deferred completion work, no wait.
-      io_uring_submit_and_get_events(&ring_);
-      if (reap() > 0 && opts_.ring_spin_budget.count() > 0) last_completion = clock::now();
+      if (taskrun_flag_ && turn % enter_every != 0)
+        io_uring_submit(&ring_);  // enters only for queued SQEs or flagged work
+      else
+        io_uring_submit_and_get_events(&ring_);
+      if (reap() > 0 && opts_.ring_spin_budget.count() > 0) completion_unstamped = true;
       continue;
     }
     if (!pollers_.empty() && !enter_interrupt_mode()) {
       last_work = clock::now();
+      spinning = true;
       continue;
     }
     // Remote posts and stop() write the eventfd, whose read is always armed:
@@ -305,6 +332,7 @@ void io_context::run_until(const bool& done, bool stoppable) {
     if (!pollers_.empty()) exit_interrupt_mode();
     reap();
     last_work = last_completion = clock::now();
+    spinning = !pollers_.empty() || opts_.ring_spin_budget.count() > 0;
   }
 }
 

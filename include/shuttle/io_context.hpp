@@ -139,6 +139,9 @@ class io_context {
   detail::orphan_op* orphans_ = nullptr;
   std::uint64_t sqes_ = 0;
   std::uint64_t sleeps_ = 0;
+  // The kernel flags pending completion work in the ring (IORING_SQ_TASKRUN):
+  // a busy turn enters the kernel only when there is something to do.
+  bool taskrun_flag_ = false;
 };
 
 class io_context::schedule_awaitable : private detail::remote_op {

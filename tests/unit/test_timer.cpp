@@ -131,3 +131,36 @@ TEST_CASE("ring_spin_budget: the loop polls the ring instead of sleeping") {
     CHECK(ctx.loop_sleeps() >= 10);
   }
 }
+
+// A loop that never sleeps (its poller keeps it busy) must still see the
+// ring's completions: busy turns enter the kernel only when it flags
+// completion work (IORING_SETUP_TASKRUN_FLAG) or every few dozen turns.
+TEST_CASE("a busy-polling loop still completes io_uring operations") {
+  struct busy_poller : poller {
+    bool report_work;
+    std::uint64_t polls = 0;
+    explicit busy_poller(bool w) : report_work(w) {}
+    bool poll() override {
+      ++polls;
+      return report_work;
+    }
+    bool try_enter_interrupt_mode() override { return false; }  // never lets it sleep
+    void exit_interrupt_mode() override {}
+  };
+  for (bool report_work : {true, false}) {
+    CAPTURE(report_work);
+    io_context ctx;
+    busy_poller p(report_work);
+    ctx.add_poller(p);
+    auto t0 = std::chrono::steady_clock::now();
+    ctx.run([]() -> task<void> {
+      for (int i = 0; i < 5; ++i) (void)co_await sleep_for(2ms);
+    }());
+    auto took = std::chrono::steady_clock::now() - t0;
+    ctx.remove_poller(p);
+    CHECK(ctx.loop_sleeps() == 0);
+    CHECK(p.polls > 5);
+    CHECK(took >= 10ms);
+    CHECK(took < 5s);
+  }
+}
