@@ -6,13 +6,14 @@
 #   -M MTU   MTU of the dummy netdev under rxe0 (default 1500 -> RoCE MTU 1024;
 #            9000 -> RoCE MTU 4096)
 #   -m MEM   guest memory (default 2G)
+#   -c N     guest vCPUs (default 2)
 #   -e N=V   put N=V into CMD's environment (repeatable); otherwise CMD gets only
 #            PATH, HOME, LANG and TERM
 #   -n       do not create the rxe0 device
 #   -v       print timings (cache build, guest boot, wall) on stderr
 #
 # The guest boots Debian 12's own kernel (rdma_rxe is a module there) under TCG
-# (-smp 2, -cpu max). Its root is the host's / shared read-only over virtio-9p with a
+# (-smp 2 unless -c, -cpu max). Its root is the host's / shared read-only over virtio-9p with a
 # tmpfs overlay, so host-built binaries run unchanged and writes are thrown away. CMD
 # runs in the host's current directory with `ulimit -l unlimited`; rxe0 sits on dummy0,
 # 192.168.77.1/24 (GID index 1 is the IPv4 one). CMD's stdout+stderr come back on stdout.
@@ -22,16 +23,16 @@
 # Environment: SHUTTLE_SOFTRDMA_CACHE (cache dir), SHUTTLE_SOFTRDMA_KEEP=1 (keep the
 # per-run dir with console log). Host packages: tests/softrdma/install-deps.sh.
 set -uo pipefail
-usage() { sed -n '4,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '4,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 skip() { echo "guest-run.sh: SKIP: $*" >&2; exit 77; }
 
-TMO=600 MTU=1500 MEM=2G RXE=1 VERBOSE=0 ENVS=()
-while getopts t:M:m:e:nvh o; do case $o in
-  t) TMO=$OPTARG;; M) MTU=$OPTARG;; m) MEM=$OPTARG;; n) RXE=0;; v) VERBOSE=1;;
+TMO=600 MTU=1500 MEM=2G CPUS=2 RXE=1 VERBOSE=0 ENVS=()
+while getopts t:M:m:c:e:nvh o; do case $o in
+  t) TMO=$OPTARG;; M) MTU=$OPTARG;; m) MEM=$OPTARG;; c) CPUS=$OPTARG;; n) RXE=0;; v) VERBOSE=1;;
   e) [[ $OPTARG =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || usage; ENVS+=("$OPTARG");;
   *) usage;; esac; done
 shift $((OPTIND-1))
-if [ $# = 0 ] || ! [[ $TMO =~ ^[1-9][0-9]*$ && $MTU =~ ^[0-9]+$ ]]; then usage; fi
+if [ $# = 0 ] || ! [[ $TMO =~ ^[1-9][0-9]*$ && $MTU =~ ^[0-9]+$ && $CPUS =~ ^[1-9][0-9]?$ ]]; then usage; fi
 
 for t in qemu-system-x86_64 busybox apt-get dpkg depmod modprobe cpio xz flock timeout; do
   command -v $t >/dev/null || skip "$t not found (run tests/softrdma/install-deps.sh)"
@@ -135,7 +136,7 @@ mkdir "$RUN/res"
 # The guest enforces -t itself; the outer timeout only catches a hung boot or guest.
 T0=$(date +%s%N)
 timeout --foreground -k 5 $((TMO + 180)) qemu-system-x86_64 \
-  -accel tcg,thread=multi -cpu max -smp 2 -m "$MEM" \
+  -accel tcg,thread=multi -cpu max -smp "$CPUS" -m "$MEM" \
   -nodefaults -no-user-config -display none -no-reboot -serial file:"$RUN/console" \
   -kernel "$RUN/vmlinux" -initrd "$RUN/initramfs.cpio" \
   -append "console=ttyS0 loglevel=3 panic=-1 reboot=t mitigations=off sr_mtu=$MTU sr_rxe=$RXE sr_tmo=$TMO" \
