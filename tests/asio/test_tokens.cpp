@@ -42,6 +42,7 @@
 #include <cstring>
 #include <future>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 namespace net = boost::asio;
@@ -611,6 +612,75 @@ TEST_CASE("[slots] cancellation slots: TCP read, partial vs terminal on a transp
     (void)co_await shuttle::sleep_for(5ms);
   }());
 }
+
+// read_some, write_some and timers are direct io_uring operations
+// (include/shuttle/asio/sqe_op.hpp): their slot handler points into the
+// operation, so the slot must be cleared when it completes; a handler on
+// another executor takes async_run's path.
+TEST_CASE("[slots] single-submission operations: slot cleared at completion; a handler on another executor") {
+  shuttle::io_context loop;
+  net::io_context actx(1);
+  sa::asio_driver driver(loop, actx);
+  auto p = loop.run(connected_pair());
+  std::vector<std::byte> buf(16);
+  std::string msg = "y";
+
+  // A write that completes with a slot connected, then a cancelled timer:
+  // emitting either signal afterwards reaches nothing (ASan checks the
+  // operation's freed memory is not touched).
+  net::cancellation_signal write_sig, timer_sig;
+  error_code write_ec, timer_ec;
+  std::size_t written = 0;
+  int done = 0;
+  loop.run([&]() -> task<void> {
+    sa::async_write_some(p.client, bytes(msg), net::bind_cancellation_slot(write_sig.slot(), [&](error_code e, std::size_t n) {
+      write_ec = e;
+      written = n;
+      ++done;
+    }));
+    sa::async_wait_for(10s, net::bind_cancellation_slot(timer_sig.slot(), [&](error_code e) {
+      timer_ec = e;
+      ++done;
+    }));
+    while (done < 1) co_await shuttle::yield();
+    write_sig.emit(net::cancellation_type::terminal);
+    (void)co_await shuttle::sleep_for(1ms);
+    timer_sig.emit(net::cancellation_type::partial);
+    while (done < 2) co_await shuttle::yield();
+    timer_sig.emit(net::cancellation_type::terminal);
+    write_sig.emit(net::cancellation_type::total);
+    (void)co_await shuttle::sleep_for(1ms);
+  }());
+  CHECK(!write_ec);
+  CHECK(written == 1);
+  CHECK(timer_ec == net::error::operation_aborted);
+  CHECK(done == 2);
+  CHECK((loop.run(p.server.read_some(buf))).value() == 1);
+
+  // A pending read whose handler runs on the driven asio::io_context, its
+  // slot emitted there: cancelled, the handler runs on that executor.
+  net::cancellation_signal read_sig;
+  error_code read_ec;
+  bool read_done = false;
+  loop.run([&]() -> task<void> {
+    sa::async_read_some(p.server, buf, net::bind_cancellation_slot(read_sig.slot(),
+        net::bind_executor(actx.get_executor(), [&](error_code e, std::size_t) {
+          CHECK(actx.get_executor().running_in_this_thread());
+          read_ec = e;
+          read_done = true;
+        })));
+    (void)co_await shuttle::sleep_for(1ms);
+    CHECK_FALSE(read_done);
+    net::post(actx, [&] { read_sig.emit(net::cancellation_type::terminal); });
+    while (!read_done) (void)co_await shuttle::sleep_for(100us);
+  }());
+  CHECK(read_ec == net::error::operation_aborted);
+  // The socket is still usable.
+  loop.run([&]() -> task<void> {
+    CHECK(co_await p.client.write_all(bytes(msg)));
+    CHECK((co_await p.server.read_some(buf)).value() == 1);
+  }());
+}
 #else
 TEST_CASE("[slots] cancellation slots") {
   skip_compiled_out("per-operation cancellation slots (bind_cancellation_slot; cancel through a std::stop_token instead)",
@@ -699,6 +769,44 @@ TEST_CASE("[deferred] deferred, as_tuple, || and && (with slot cancellation)") {
     l.close();
     (void)co_await shuttle::sleep_for(5ms);
   }());
+}
+
+// A deferred single-submission operation is started where it is invoked: on
+// another thread, it takes async_run's path through the loop's queue.
+TEST_CASE("[deferred] a deferred read_some and timer started later, and from another thread") {
+  shuttle::io_context loop;
+  sa::context actx(loop);
+  auto p = loop.run(connected_pair());
+  std::vector<std::byte> buf(16);
+  std::string msg = "z";
+  bool done = false;
+  std::exception_ptr failure;
+  net::co_spawn(actx.get_executor(), [&]() -> net::awaitable<void> {
+    auto read = sa::async_read_some(p.server, buf, net::deferred);
+    co_await sa::async_write_some(p.client, bytes(msg), net::use_awaitable);
+    CHECK(co_await std::move(read)(net::use_awaitable) == 1);
+  }, [&](std::exception_ptr e) {
+    failure = e;
+    done = true;
+  });
+  run_until(loop, done);
+  CHECK(done);
+  CHECK_FALSE(failure);
+
+  std::optional<decltype(sa::async_wait_for(1ms, net::deferred))> timer;
+  loop.run([&]() -> task<void> {
+    timer.emplace(sa::async_wait_for(1ms, net::deferred));
+    co_return;
+  }());
+  bool other_done = false;
+  std::thread other([&] {
+    auto f = std::move(*timer)(net::use_future);
+    f.get();  // throws on error
+    loop.dispatch([&] { other_done = true; });
+  });
+  run_until(loop, other_done);
+  other.join();
+  CHECK(other_done);
 }
 #else
 TEST_CASE("[deferred] deferred, as_tuple, || and &&") {

@@ -9,6 +9,9 @@
 //  - asio_driver.hpp: an asio::io_context driven from the shuttle loop;
 //  - recycling.hpp (internal): operation memory (associated allocators, a
 //    per-thread cache, Asio's own per-thread cache on shuttle's loop).
+//  - sqe_op.hpp (internal): the single-submission operations (read_some,
+//    write_some, timers) as direct io_uring operations, async_run's contract
+//    without its coroutine frame.
 #pragma once
 
 #include <shuttle/asio/config.hpp>
@@ -16,6 +19,7 @@
 #include <shuttle/asio/recycling.hpp>
 #include <shuttle/asio/executor.hpp>
 #include <shuttle/asio/async_run.hpp>
+#include <shuttle/asio/sqe_op.hpp>
 #include <shuttle/asio/ops.hpp>
 #include <shuttle/asio/transport.hpp>
 #include <shuttle/asio/use_task.hpp>

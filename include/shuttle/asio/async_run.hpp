@@ -129,15 +129,19 @@ inline std::error_code error_of(std::exception_ptr e) noexcept {
 }
 
 // The handler bound to its arguments; clears the cancellation slot in the
-// handler's executor context, right before the call (Asio's rule).
+// handler's executor context, right before the call (Asio's rule), unless the
+// operation did (clear_slot false: sqe_op.hpp, on the handler's own thread).
 template <class Handler, class... Args>
 struct bound_completion {
   Handler handler;
   std::tuple<Args...> args;
+  bool clear_slot = true;
   void operator()() {
 #if SHUTTLE_ASIO_HAS_CANCELLATION_SLOTS
-    auto slot = net::get_associated_cancellation_slot(handler);
-    if (slot.is_connected()) slot.clear();
+    if (clear_slot) {
+      auto slot = net::get_associated_cancellation_slot(handler);
+      if (slot.is_connected()) slot.clear();
+    }
 #endif
     std::apply([this](auto&... a) { std::move(handler)(std::move(a)...); }, args);
   }
@@ -169,6 +173,40 @@ shuttle::io_context* shuttle_loop_of(const Ex& ex) noexcept {
 template <class Ex>
 bool is_shuttle_executor(const Ex& ex) noexcept {
   return shuttle_loop_of(ex) != nullptr;
+}
+
+// Hands a completion to its handler, the operation's memory already freed.
+// A handler that throws ends the program (it runs inside the loop's
+// completion).
+//  - direct (the handler's executor is this loop's shuttle executor):
+//    dispatch() from the loop's own thread would call inline: the handler is
+//    called directly, without Asio's type-erased executor function (an
+//    allocation and two executor hops); with `posted` (the operation finished
+//    inside its initiating function), on the loop's next turn instead, from a
+//    recycled frame. The Asio thread scope lets Asio recycle the frames of
+//    the awaitable coroutine that the handler resumes.
+//  - otherwise: dispatched (posted) through the handler's associated
+//    executor, Asio's queued handler coming from its per-thread cache.
+template <class Handler, class... Args>
+void deliver(bound_completion<Handler, Args...>&& call, shuttle::io_context& loop, bool direct, bool posted) {
+  if (direct) {
+    if (posted)
+      post_local(loop, std::move(call));
+    else
+      with_asio_thread(call);
+    return;
+  }
+  auto ex = net::get_associated_executor(call.handler, executor(loop, nullptr));
+  const bool kick = driver_kick && !is_shuttle_executor(ex);
+  with_asio_thread([&] {
+    if (posted)
+      net::post(ex, std::move(call));
+    else
+      net::dispatch(ex, std::move(call));
+  });
+  // If that queued the handler on an asio::io_context driven by this loop,
+  // the driver polls it on the loop's next turn.
+  if (kick) *driver_kick = true;
 }
 
 // Detects completion inside the initiating call: the frame holds a pointer to
@@ -225,27 +263,7 @@ struct op_state {
     shuttle::io_context* loop = st.loop;
     const bool direct = st.direct, posted = st.posted;
     h.destroy();  // Asio's rule: the operation's memory is freed before the upcall
-    // A handler that throws ends the program (it runs inside the loop's completion).
-    if (direct) {
-      // dispatch() on shuttle's executor, from its own thread, calls inline:
-      // do it without Asio's type-erased executor function (an allocation
-      // and two executor hops). The Asio thread scope lets Asio recycle the
-      // frames of the awaitable coroutine that the handler resumes.
-      with_asio_thread(call);
-      return;
-    }
-    auto ex = net::get_associated_executor(call.handler, executor(*loop, nullptr));
-    const bool kick = driver_kick && !is_shuttle_executor(ex);
-    // Asio's queued handler (an asio::io_context's operation) from its cache.
-    with_asio_thread([&] {
-      if (posted)
-        net::post(ex, std::move(call));
-      else
-        net::dispatch(ex, std::move(call));
-    });
-    // If that queued the handler on an asio::io_context driven by this loop,
-    // the driver polls it on the loop's next turn.
-    if (kick) *driver_kick = true;
+    deliver(std::move(call), *loop, direct, posted);
   }
 };
 

@@ -1,6 +1,9 @@
 // Asio-token forms of shuttle's loop-level operations: TCP, timers, channels.
-// Each is async_run (async_run.hpp) on the calling thread's shuttle loop, so
-// call them on that thread (Asio handlers and awaitables running on the shuttle
+// Each runs on the calling thread's shuttle loop: the single-submission ones
+// (read_some, write_some, timers) as a direct io_uring operation
+// (sqe_op.hpp), the others through async_run (async_run.hpp); both have the
+// same contract (handler executor and allocator, slots, errors). Call them
+// on the loop's thread (Asio handlers and awaitables running on the shuttle
 // executor or on an asio::io_context driven by the loop are). The objects
 // passed by reference and the buffers must outlive the operation.
 //
@@ -9,6 +12,7 @@
 #pragma once
 
 #include <shuttle/asio/async_run.hpp>
+#include <shuttle/asio/sqe_op.hpp>
 
 #include <chrono>
 #include <cstddef>
@@ -35,15 +39,17 @@ inline task<result<std::size_t>> write_all_n(tcp_socket& s, std::span<const std:
 
 // ---------------------------------------------------------------- TCP
 
+// One submission each: the CQE completes the handler directly (sqe_op.hpp).
+
 // void(error_code, std::size_t): one recv; 0 bytes means the peer closed.
 template <class Token>
 auto async_read_some(tcp_socket& s, std::span<std::byte> buf, Token&& token) {
-  return async_run(io_context::current(), [&s, buf] { return s.read_some(buf); }, std::forward<Token>(token));
+  return detail::async_sqe(detail::recv_sqe{&s, buf}, std::forward<Token>(token));
 }
 // void(error_code, std::size_t): one send.
 template <class Token>
 auto async_write_some(tcp_socket& s, std::span<const std::byte> buf, Token&& token) {
-  return async_run(io_context::current(), [&s, buf] { return s.write_some(buf); }, std::forward<Token>(token));
+  return detail::async_sqe(detail::send_sqe{&s, buf}, std::forward<Token>(token));
 }
 // void(error_code, std::size_t): exactly buf.size() bytes (shuttle::errc::eof if the peer closes first).
 template <class Token>
@@ -71,9 +77,10 @@ auto async_connect(endpoint ep, Token&& token) {
 // ---------------------------------------------------------------- timers
 
 // void(error_code): success at the deadline, operation_aborted if cancelled.
+// One submission (sqe_op.hpp).
 template <class Token>
 auto async_wait_until(clock::time_point deadline, Token&& token) {
-  return async_run(io_context::current(), [deadline] { return sleep_until(deadline); }, std::forward<Token>(token));
+  return detail::async_sqe(detail::timeout_sqe{deadline}, std::forward<Token>(token));
 }
 template <class Rep, class Period, class Token>
 auto async_wait_for(std::chrono::duration<Rep, Period> d, Token&& token) {
