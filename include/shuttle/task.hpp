@@ -14,6 +14,8 @@
 #include <utility>
 #include <variant>
 
+#include <shuttle/detail/frame_pool.hpp>
+
 namespace shuttle {
 
 template <class T = void>
@@ -47,6 +49,10 @@ class task_promise_base {
     }
     void await_resume() const noexcept {}
   };
+
+  // Frames come from the per-thread cache (frame_pool.hpp).
+  static void* operator new(std::size_t size) { return allocate_task_frame(size); }
+  static void operator delete(void* p, std::size_t size) noexcept { free_task_frame(p, size); }
 
   std::suspend_always initial_suspend() const noexcept { return {}; }
   final_awaiter final_suspend() const noexcept { return {}; }
