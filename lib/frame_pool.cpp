@@ -26,21 +26,36 @@ struct free_block {
   free_block* next;
 };
 
+// Trivially destructible, so that reaching it costs no initialization
+// guard; initial-exec: one thread-pointer-relative load (the library is
+// linked, not dlopen'ed, in every supported use; the block is small).
 struct frame_cache {
-  free_block* head[classes] = {};
-  unsigned count[classes] = {};
-  ~frame_cache() {
+  free_block* head[classes];
+  unsigned count[classes];
+  bool cleanup_armed;
+  bool gone;  // this thread is exiting: blocks go straight to the heap
+};
+[[gnu::tls_model("initial-exec")]] thread_local frame_cache cache{};
+
+// Returns the cached blocks to the heap when the thread exits; armed the
+// first time a block is cached.
+struct frame_cache_cleanup {
+  bool armed = false;
+  ~frame_cache_cleanup() {
     for (std::size_t c = 0; c < classes; ++c)
-      while (free_block* b = head[c]) {
-        head[c] = b->next;
+      while (free_block* b = cache.head[c]) {
+        cache.head[c] = b->next;
         ::operator delete(b);
       }
-    gone = true;
+    cache.gone = true;
   }
-  static thread_local bool gone;  // trivially destructible: readable after ~frame_cache
 };
-thread_local bool frame_cache::gone = false;
-thread_local frame_cache cache;
+thread_local frame_cache_cleanup cleanup;
+
+[[gnu::noinline]] void arm_cleanup() noexcept {
+  cleanup.armed = true;  // constructs it, which registers its destructor
+  cache.cleanup_armed = true;
+}
 
 std::size_t class_of(std::size_t size) noexcept { return (size + granule - 1) / granule - 1; }
 
@@ -48,7 +63,7 @@ std::size_t class_of(std::size_t size) noexcept { return (size + granule - 1) / 
 
 void* allocate_task_frame(std::size_t size) {
   std::size_t c = class_of(size);
-  if (c < classes && !frame_cache::gone) {
+  if (c < classes) {
     if (free_block* b = cache.head[c]) {
       cache.head[c] = b->next;
       --cache.count[c];
@@ -61,7 +76,8 @@ void* allocate_task_frame(std::size_t size) {
 
 void free_task_frame(void* p, std::size_t size) noexcept {
   std::size_t c = class_of(size);
-  if (c < classes && !frame_cache::gone && cache.count[c] < max_cached) {
+  if (c < classes && cache.count[c] < max_cached && !cache.gone) {
+    if (!cache.cleanup_armed) arm_cleanup();
     auto* b = static_cast<free_block*>(p);
     b->next = cache.head[c];
     cache.head[c] = b;
