@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -68,6 +69,23 @@ io_context::io_context(options opts) : thread_(std::this_thread::get_id()), opts
 }
 
 io_context::~io_context() {
+  // Work queued for a turn that will not come: self-owned ops (dispatch)
+  // free what they captured, while this context is still current (their
+  // destructors may cancel ring operations; those end as orphans below).
+  for (int round = 0; round < 16; ++round) {  // a discarded op may queue another
+    detail::remote_op* head;
+    {
+      std::lock_guard lock(remote_mutex_);
+      head = std::exchange(remote_head_, nullptr);
+      remote_tail_ = nullptr;
+    }
+    if (!head) break;
+    while (head) {
+      auto* next = head->next;
+      if (head->discard) head->discard(head);
+      head = next;
+    }
+  }
   if (current_context == this) current_context = nullptr;
   io_uring_queue_exit(&ring_);  // cancels what is still in flight
   ::close(wake_fd_);
@@ -141,6 +159,7 @@ void io_context::dispatch(std::function<void()> fn) {
     std::unique_ptr<function_op> self(static_cast<function_op*>(r));
     self->fn();
   };
+  op->discard = [](detail::remote_op* r) noexcept { delete static_cast<function_op*>(r); };
   post_remote(op);
 }
 

@@ -32,8 +32,9 @@ echo "=== downstream use: meson install + pkg-config, meson subproject"
 bash tools/test-consumers.sh build-ci || status=1
 
 configure build-asan --buildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false -Dbench=false
-# The guest suites run once, in build-ci: under ASan they would double CI time.
-run_suites build-asan --no-suite fuzz --no-suite guest
+# The guest suites too (about 3 minutes more under ASan): LeakSanitizer
+# sees what the verbs provider leaves behind when a context ends.
+run_suites build-asan --no-suite fuzz
 
 # The Asio interop against the other Boost Debian 12 packages (1.81; the
 # system one is 1.74), unpacked beside it by tools/boost-alt.sh (conflicting

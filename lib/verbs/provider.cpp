@@ -88,8 +88,9 @@ struct wr_ctx {
 };
 
 // A persistent IORING_OP_POLL_ADD on an fd with a callback. Destroying it
-// while armed cancels the poll and frees it when its CQE arrives.
-class fd_watch : public io_op {
+// while armed cancels the poll and frees it when its CQE arrives, or with
+// the io_context if that ends first (it is then the context's orphan).
+class fd_watch : public orphan_op {
  public:
   using callback = void (*)(void* arg) noexcept;
   fd_watch(int fd, callback cb, void* arg) noexcept : fd_(fd), cb_(cb), arg_(arg) { complete = &on_complete; }
@@ -105,6 +106,7 @@ class fd_watch : public io_op {
     if (armed_) {
       orphan_ = true;
       ctx_->submit_cancel(this);
+      ctx_->adopt_orphan(this);
     } else {
       delete this;
     }
@@ -115,6 +117,7 @@ class fd_watch : public io_op {
     auto* self = static_cast<fd_watch*>(op);
     self->armed_ = false;
     if (self->orphan_) {
+      self->ctx_->forget_orphan(self);
       delete self;
       return;
     }

@@ -367,7 +367,13 @@ TEST_CASE("1000 connect/disconnect cycles without fd or memory growth") {
     CHECK(verbs::stats(cd)->live_connections == 0);
     CHECK(verbs::stats(sd)->live_connections == 0);
     CHECK(fds1 <= fds0);
+#if defined(__SANITIZE_ADDRESS__)
+    // ASan keeps freed memory in quarantine (hundreds of MiB): RSS says
+    // nothing here; LeakSanitizer checks that everything was freed.
+    MESSAGE("ASan build: RSS growth not checked");
+#else
     CHECK(rss1 - rss0 < 8 * 1024);
+#endif
     l.close();
   }());
 }

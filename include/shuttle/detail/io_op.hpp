@@ -28,6 +28,9 @@ struct orphan_op : io_op {
 struct remote_op {
   using run_fn = void (*)(remote_op* self) noexcept;
   run_fn run = nullptr;
+  // Set by ops that own themselves: called instead of run when the context
+  // ends with the op still queued (it frees what it holds without running).
+  run_fn discard = nullptr;
   remote_op* next = nullptr;
 };
 
