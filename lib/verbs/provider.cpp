@@ -941,6 +941,94 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     }
   };
 
+  // A send-queue slot and, for `credit`, a peer receive, if both can be had
+  // now (the semaphores are FIFO: this never overtakes a waiter).
+  bool try_reserve(bool credit) noexcept {
+    if (!sq.try_acquire()) return false;
+    if (credit && !credits.try_acquire()) {
+      sq.release();
+      return false;
+    }
+    return true;
+  }
+
+  // One signaled WR whose slot (and credit) the caller holds: posted when
+  // awaited, its completion awaited in the caller's frame (no frame of its
+  // own: the latency path of every operation goes through here).
+  // `atomic_result`: the local sge becomes a scratch word whose value is
+  // returned.
+  struct posted_op : op_wait {
+    ibv_send_wr wr;
+    ibv_sge sge;
+    bool credit, atomic_result;
+    std::uint32_t slot = 0;
+    int post_error = 0;
+
+    posted_op(conn_state* conn, const ibv_send_wr& w, const ibv_sge& g, bool cr, bool atomic) noexcept
+        : wr(w), sge(g), credit(cr), atomic_result(atomic) {
+      c = conn;
+    }
+    bool await_ready() noexcept {
+      if (!c->usable()) {
+        post_error = -1;
+        c->sq.release();
+        if (credit) c->credits.release();
+        return true;
+      }
+      if (atomic_result) {
+        slot = c->scratch_free.back();
+        c->scratch_free.pop_back();
+        sge.addr = reinterpret_cast<std::uintptr_t>(c->scratch + slot);
+        sge.length = 8;
+        sge.lkey = c->scratch_mr->lkey;
+      }
+      ctx = c->dom->loop;
+      on_wc = &op_wait::on_complete;
+      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(this));
+      wr.send_flags |= IBV_SEND_SIGNALED;
+      wr.sg_list = &sge;
+      wr.num_sge = sge.length > 0 || atomic_result ? 1 : 0;
+      if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits
+        std::uint32_t n = std::min<std::uint32_t>(c->to_return, 0xffff);
+        c->to_return -= n;
+        wr.imm_data = htonl(n);
+      }
+      ibv_send_wr* bad = nullptr;
+      if (int e = ibv_post_send(c->qp, &wr, &bad)) {
+        post_error = e;
+        if (atomic_result) c->scratch_free.push_back(slot);
+        c->sq.release();
+        if (credit) c->credits.release();
+        return true;
+      }
+      ++c->outstanding;
+      ++c->inflight_ops;
+      ++c->dom->inflight;
+      // Soft-RoCE (and a fast NIC) may have completed it already: one look
+      // at the CQ here saves a turn of the loop (a suspension, a wake-up) on
+      // the latency path. Coroutines are never resumed from inside the
+      // poller (wake-ups are posted), so this cannot re-enter core::poll.
+      c->dom->poll_inline();
+      return done;
+    }
+    result<std::uint64_t> await_resume() noexcept {
+      if (post_error < 0) return disconnected();
+      if (post_error > 0) return errno_code(post_error);
+      if (atomic_result) c->scratch_free.push_back(slot);
+      if (--c->inflight_ops == 0) c->drained.set();
+      c->sq.release();
+      if (status == IBV_WC_SUCCESS) return atomic_result ? c->scratch[slot] : byte_len;
+      if (cancelled.load()) return std::make_error_code(std::errc::operation_canceled);
+      if (status == IBV_WC_WR_FLUSH_ERR) return disconnected();
+      return wc_error(status);
+    }
+  };
+  posted_op post_reserved(const ibv_send_wr& wr, const ibv_sge& sge, bool credit, bool atomic_result) noexcept {
+    return posted_op(this, wr, sge, credit, atomic_result);
+  }
+
+  // Waits for a send-queue slot (and a credit), then posts. Callers try
+  // try_reserve + post_reserved first, in their own frame.
   task<result<std::uint64_t>> execute(ibv_send_wr wr, ibv_sge sge, bool credit, bool atomic_result,
                                       std::shared_ptr<verbs_region> keep) {
     // The caller's frame holds a reference to this state while we wait.
@@ -953,51 +1041,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         co_return r.error();
       }
     }
-    if (!usable()) co_return disconnected();
-    std::uint32_t slot = 0;
-    if (atomic_result) {
-      slot = scratch_free.back();
-      scratch_free.pop_back();
-      sge.addr = reinterpret_cast<std::uintptr_t>(scratch + slot);
-      sge.length = 8;
-      sge.lkey = scratch_mr->lkey;
-    }
-    op_wait op;
-    op.c = this;
-    op.ctx = dom->loop;
-    op.on_wc = &op_wait::on_complete;
-    wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&op));
-    wr.send_flags |= IBV_SEND_SIGNALED;
-    wr.sg_list = &sge;
-    wr.num_sge = sge.length > 0 || atomic_result ? 1 : 0;
-    if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits
-      std::uint32_t n = std::min<std::uint32_t>(to_return, 0xffff);
-      to_return -= n;
-      wr.imm_data = htonl(n);
-    }
-    ibv_send_wr* bad = nullptr;
-    if (int e = ibv_post_send(qp, &wr, &bad)) {
-      if (atomic_result) scratch_free.push_back(slot);
-      sq.release();
-      if (credit) credits.release();
-      co_return errno_code(e);
-    }
-    ++outstanding;
-    ++inflight_ops;
-    ++dom->inflight;
-    // Soft-RoCE (and a fast NIC) may have completed it already: one look at
-    // the CQ here saves a turn of the loop (a suspension, a wake-up) on the
-    // latency path. Coroutines are never resumed from inside the poller
-    // (wake-ups are posted), so this cannot re-enter core::poll.
-    dom->poll_inline();
-    co_await op;
-    if (atomic_result) scratch_free.push_back(slot);
-    if (--inflight_ops == 0) drained.set();
-    sq.release();
-    if (op.status == IBV_WC_SUCCESS) co_return atomic_result ? scratch[slot] : op.byte_len;
-    if (op.cancelled.load()) co_return std::make_error_code(std::errc::operation_canceled);
-    if (op.status == IBV_WC_WR_FLUSH_ERR) co_return disconnected();
-    co_return wc_error(op.status);
+    co_return co_await post_reserved(wr, sge, credit, atomic_result);
   }
 
   // ---------------------------------------------------------------- batches
@@ -1281,7 +1325,8 @@ class verbs_connection final : public connection_impl {
     wr.opcode = IBV_WR_SEND_WITH_IMM;
     auto keep = s->local_sge(msg, false, true, wr, sge);
     if (!keep) co_return keep.error();
-    auto r = co_await s->execute(wr, sge, true, false, std::move(*keep));
+    auto r = s->usable() && s->try_reserve(true) ? co_await s->post_reserved(wr, sge, true, false)
+                                                 : co_await s->execute(wr, sge, true, false, std::move(*keep));
     if (!r) co_return r.error();
     co_return result<void>{};
   }
@@ -1404,7 +1449,8 @@ class verbs_connection final : public connection_impl {
     if (op == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = htonl(imm);
     auto keep = s->local_sge(local, op == IBV_WR_RDMA_READ, op != IBV_WR_RDMA_READ, wr, sge);
     if (!keep) co_return keep.error();
-    auto r = co_await s->execute(wr, sge, credit, false, std::move(*keep));
+    auto r = s->usable() && s->try_reserve(credit) ? co_await s->post_reserved(wr, sge, credit, false)
+                                                   : co_await s->execute(wr, sge, credit, false, std::move(*keep));
     if (!r) co_return r.error();
     co_return result<void>{};
   }
@@ -1419,6 +1465,7 @@ class verbs_connection final : public connection_impl {
     wr.wr.atomic.rkey = remote.rkey;
     wr.wr.atomic.compare_add = a;
     wr.wr.atomic.swap = b;
+    if (s->usable() && s->try_reserve(false)) co_return co_await s->post_reserved(wr, sge, false, true);
     co_return co_await s->execute(wr, sge, false, true, nullptr);
   }
 
