@@ -76,7 +76,9 @@ task<void> ring_native(long n) {
 net::awaitable<void> ring_awaitable(long n) {
   for (long i = 0; i < n; ++i) co_await sa::async_write_some(*ring_sock, {}, net::use_awaitable);
 }
-struct ring_cb {
+// A callback chain of `left` operations, each started by Start::start.
+template <class Start>
+struct chain_cb {
   long left;
   shuttle::event* done;
   void operator()(boost::system::error_code, std::size_t) {
@@ -84,9 +86,16 @@ struct ring_cb {
       done->set();
       return;
     }
-    sa::async_write_some(*ring_sock, {}, std::move(*this));
+    Start::start(std::move(*this));
   }
 };
+struct ring_start {
+  template <class H>
+  static void start(H&& h) {
+    sa::async_write_some(*ring_sock, {}, std::forward<H>(h));
+  }
+};
+using ring_cb = chain_cb<ring_start>;
 
 // ---- Asio floor for the ring op
 template <class Handler>
@@ -121,17 +130,13 @@ auto floor_send(int fd, Token&& token) {
 net::awaitable<void> floor_awaitable(long n) {
   for (long i = 0; i < n; ++i) co_await floor_send(ring_sock->native_handle(), net::use_awaitable);
 }
-struct floor_cb {
-  long left;
-  shuttle::event* done;
-  void operator()(boost::system::error_code, std::size_t) {
-    if (--left == 0) {
-      done->set();
-      return;
-    }
-    floor_send(ring_sock->native_handle(), std::move(*this));
+struct floor_start {
+  template <class H>
+  static void start(H&& h) {
+    floor_send(ring_sock->native_handle(), std::forward<H>(h));
   }
 };
+using floor_cb = chain_cb<floor_start>;
 
 // ---- tcp ping-pong
 task<void> tcp_native(shuttle::tcp_socket& s, long n) {

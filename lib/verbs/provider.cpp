@@ -1325,7 +1325,7 @@ class verbs_connection final : public connection_impl {
     wr.opcode = IBV_WR_SEND_WITH_IMM;
     auto keep = s->local_sge(msg, false, true, wr, sge);
     if (!keep) co_return keep.error();
-    auto r = s->usable() && s->try_reserve(true) ? co_await s->post_reserved(wr, sge, true, false)
+    auto r = s->try_reserve(true) ? co_await s->post_reserved(wr, sge, true, false)
                                                  : co_await s->execute(wr, sge, true, false, std::move(*keep));
     if (!r) co_return r.error();
     co_return result<void>{};
@@ -1449,7 +1449,7 @@ class verbs_connection final : public connection_impl {
     if (op == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = htonl(imm);
     auto keep = s->local_sge(local, op == IBV_WR_RDMA_READ, op != IBV_WR_RDMA_READ, wr, sge);
     if (!keep) co_return keep.error();
-    auto r = s->usable() && s->try_reserve(credit) ? co_await s->post_reserved(wr, sge, credit, false)
+    auto r = s->try_reserve(credit) ? co_await s->post_reserved(wr, sge, credit, false)
                                                    : co_await s->execute(wr, sge, credit, false, std::move(*keep));
     if (!r) co_return r.error();
     co_return result<void>{};
@@ -1465,7 +1465,7 @@ class verbs_connection final : public connection_impl {
     wr.wr.atomic.rkey = remote.rkey;
     wr.wr.atomic.compare_add = a;
     wr.wr.atomic.swap = b;
-    if (s->usable() && s->try_reserve(false)) co_return co_await s->post_reserved(wr, sge, false, true);
+    if (s->try_reserve(false)) co_return co_await s->post_reserved(wr, sge, false, true);
     co_return co_await s->execute(wr, sge, false, true, nullptr);
   }
 
