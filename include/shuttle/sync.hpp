@@ -65,9 +65,8 @@ class semaphore {
     return true;
   }
   void release(std::size_t n = 1) noexcept {
-    for (; n > 0; --n) {
-      if (!waiters_.wake_one()) ++count_;
-    }
+    while (n > 0 && waiters_.wake_one()) --n;
+    count_ += n;  // (a large n, e.g. to fail every waiter, costs no loop)
   }
 
   class awaiter {
