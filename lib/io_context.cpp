@@ -1,4 +1,5 @@
 #include <shuttle/io_context.hpp>
+#include <shuttle/detail/spin_clock.hpp>
 #include <shuttle/result.hpp>
 
 #include <sys/eventfd.h>
@@ -292,15 +293,18 @@ void io_context::run_until(const bool& done, bool stoppable) {
     ~current_guard() { current_context = previous; }
   } guard(this);
 
-  using clock = std::chrono::steady_clock;
-  auto last_work = clock::now();
-  auto last_completion = last_work;  // for ring_spin_budget
-  // A busy-polling turn must cost little more than the polls themselves:
-  // the clock is read once every `clock_every` turns (a clock_gettime can
-  // take microseconds, e.g. with an emulated HPET clocksource), work seen in
-  // between is stamped at the next read; and the kernel is entered only when
-  // there is something to submit or completion work waiting (taskrun flag),
-  // or else once every `enter_every` turns.
+  // Spin budgets run on spin_clock: a busy-polling turn must cost little
+  // more than the polls themselves, and a clock_gettime can take
+  // microseconds (an emulated HPET clocksource). Even so the clock is read
+  // once every `clock_every` turns; work seen in between is stamped at the
+  // next read. The kernel is entered only when there is something to
+  // submit or completion work waiting (taskrun flag), or else once every
+  // `enter_every` turns.
+  using detail::spin_clock;
+  const std::int64_t spin_budget = opts_.spin_budget.count();
+  const std::int64_t ring_spin_budget = opts_.ring_spin_budget.count();
+  std::int64_t last_work = spin_clock::now_ns();
+  std::int64_t last_completion = last_work;  // for ring_spin_budget
   constexpr unsigned clock_every = 16, enter_every = 64;
   unsigned turn = 0;
   bool spinning = false, work_unstamped = false, completion_unstamped = false;
@@ -315,30 +319,32 @@ void io_context::run_until(const bool& done, bool stoppable) {
     }
     if (done) break;
     ++turn;
-    if (pollers_.empty() && opts_.ring_spin_budget.count() == 0) {
+    if (pollers_.empty() && ring_spin_budget == 0) {
       spinning = false;
     } else {
       if (work) work_unstamped = true;
       if (!spinning || turn % clock_every == 0) {  // a turn about to stop spinning looks first
-        auto now = clock::now();
-        if (work_unstamped) last_work = now;
-        if (completion_unstamped) last_completion = now;
+        const std::int64_t now = spin_clock::now_ns();
+        if (work_unstamped || now < last_work) last_work = now;
+        if (completion_unstamped || now < last_completion) last_completion = now;
         work_unstamped = completion_unstamped = false;
-        spinning = (!pollers_.empty() && now - last_work < opts_.spin_budget) ||
-                   now - last_completion < opts_.ring_spin_budget;
+        spinning = (!pollers_.empty() && now - last_work < spin_budget) || now - last_completion < ring_spin_budget;
       }
     }
     if (work || !ready_.empty() || spinning) {
       // Submit what is queued and run deferred completion work, no wait.
-      if (taskrun_flag_ && turn % enter_every != 0)
-        io_uring_submit(&ring_);  // enters only for queued SQEs or flagged work
-      else
+      // A spinning turn with nothing queued, nothing flagged and nothing
+      // in the CQ makes no call into liburing at all.
+      if (!taskrun_flag_ || turn % enter_every == 0)
         io_uring_submit_and_get_events(&ring_);
-      if (reap() > 0 && opts_.ring_spin_budget.count() > 0) completion_unstamped = true;
+      else if (io_uring_sq_ready(&ring_) > 0 ||
+               (IO_URING_READ_ONCE(*ring_.sq.kflags) & (IORING_SQ_TASKRUN | IORING_SQ_CQ_OVERFLOW)))
+        io_uring_submit_and_get_events(&ring_);
+      if (io_uring_cq_ready(&ring_) > 0 && reap() > 0 && ring_spin_budget > 0) completion_unstamped = true;
       continue;
     }
     if (!pollers_.empty() && !enter_interrupt_mode()) {
-      last_work = clock::now();
+      last_work = spin_clock::now_ns();
       spinning = true;
       continue;
     }
@@ -350,8 +356,8 @@ void io_context::run_until(const bool& done, bool stoppable) {
       throw_errno(-r, "io_uring_submit_and_wait");
     if (!pollers_.empty()) exit_interrupt_mode();
     reap();
-    last_work = last_completion = clock::now();
-    spinning = !pollers_.empty() || opts_.ring_spin_budget.count() > 0;
+    last_work = last_completion = spin_clock::now_ns();
+    spinning = !pollers_.empty() || ring_spin_budget > 0;
   }
 }
 

@@ -32,6 +32,7 @@
 //    that completion. Unsignaled WRs name the chunk's `early` context, which
 //    only ever sees error/flush completions (they come before the chunk's
 //    signaled one, RC completes in order).
+#include <shuttle/detail/spin_clock.hpp>
 #include <shuttle/detail/transport_impl.hpp>
 #include <shuttle/io_context.hpp>
 #include <shuttle/sync.hpp>
@@ -56,7 +57,6 @@
 namespace shuttle::detail {
 namespace {
 
-using vclock = std::chrono::steady_clock;
 
 constexpr std::uint32_t ctrl_reserve = 4;            // extra receives (and send slots) for credit messages
 constexpr std::uint32_t ctrl_flag = 0x80000000u;     // imm of a control message
@@ -274,7 +274,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // When the last completion was seen, stamped lazily: poll() only counts
   // (a clock read per poll is microseconds where the clock is HPET, as in
   // a TCG guest); the stamp is taken when the loop next wants to sleep.
-  vclock::time_point last_wc{};
+  std::int64_t last_wc = 0;  // spin_clock ns
   std::uint64_t wc_seen = 0, wc_stamped = 0;
   std::size_t inflight = 0;
   std::vector<std::shared_ptr<conn_state>> graveyard;
@@ -356,12 +356,12 @@ struct core final : poller, std::enable_shared_from_this<core> {
   bool poll_cq();
   bool try_enter_interrupt_mode() override {
     if (inflight > 0 || rx_waiters > 0) {
-      auto now = vclock::now();
-      if (wc_seen != wc_stamped) {
+      const std::int64_t now = detail::spin_clock::now_ns();
+      if (wc_seen != wc_stamped || now < last_wc) {
         wc_stamped = wc_seen;
         last_wc = now;
       }
-      if (now - last_wc < budget) return false;  // keep busy-polling
+      if (now - last_wc < budget.count()) return false;  // keep busy-polling
     }
     if (!notify_armed) {
       if (ibv_req_notify_cq(cq, 0) != 0) return false;
