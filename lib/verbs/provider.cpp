@@ -202,7 +202,6 @@ struct core;
 struct recv_pool;
 struct recv_slot : wr_ctx {
   recv_pool* pool = nullptr;
-  std::uint32_t index = 0;
   std::byte* addr = nullptr;
   std::uint32_t lkey = 0;
   std::uint32_t qp_num = 0;  // SRQ: the QP that consumed it (its connection gets the credit back)
@@ -241,7 +240,6 @@ struct recv_pool {
     for (std::uint32_t i = 0; i < n; ++i) {
       recv_slot& sl = slots.emplace_back();
       sl.pool = this;
-      sl.index = first + i;
       sl.addr = buf + std::size_t(i) * slot_size;
       sl.lkey = mr->lkey;
       sl.on_wc = on_wc;
@@ -387,7 +385,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
     if (int e = ibv_post_srq_recv(srq, &wr, &bad)) return errno_code(e);
     return {};
   }
-  void on_srq_release(std::uint32_t slot) noexcept;
+  void on_srq_release(recv_slot& slot) noexcept;
 
   result<std::shared_ptr<verbs_region>> reg(std::span<std::byte> mem, unsigned flags) {
     unsigned a = normalize(flags);
@@ -531,7 +529,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   recv_pool* pool = nullptr;
   struct rx_item {
-    std::uint32_t slot;
+    recv_slot* slot;
     std::uint32_t len;
     std::optional<std::uint32_t> imm;
   };
@@ -786,7 +784,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (srq_grant) {
       // Messages never taken by recv() hold SRQ buffers: back to the SRQ.
       if (dom->srq)
-        for (auto& it : rx) (void)dom->post_srq(dom->srq_pool->slots[it.slot]);
+        for (auto& it : rx) (void)dom->post_srq(*it.slot);
       rx.clear();
       auto it = dom->srq_conns.find(qp_num);
       if (it != dom->srq_conns.end() && it->second == this) dom->srq_conns.erase(it);
@@ -863,7 +861,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         return;
       }
     }
-    rx_item it{s->index, 0, std::nullopt};
+    rx_item it{s, 0, std::nullopt};
     if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM)
       it.imm = ntohl(wc.imm_data);
     else
@@ -872,9 +870,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     c->rx_event.set();
   }
 
-  void on_message_released(std::uint32_t slot) {
+  void on_message_released(recv_slot& slot) {
     if (!usable()) return;
-    if (!post_recv(pool->slots[slot])) return;
+    if (!post_recv(slot)) return;
     ++to_return;
     maybe_send_credits();
   }
@@ -1237,14 +1235,13 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 void recv_pool::release(void* owner, std::uint64_t slot) noexcept {
   auto* p = static_cast<recv_pool*>(owner);
   if (p->srq_core)
-    p->srq_core->on_srq_release(static_cast<std::uint32_t>(slot));
+    p->srq_core->on_srq_release(*reinterpret_cast<recv_slot*>(slot));
   else if (p->conn)
-    p->conn->on_message_released(static_cast<std::uint32_t>(slot));
+    p->conn->on_message_released(*reinterpret_cast<recv_slot*>(slot));
   p->unref();
 }
 
-void core::on_srq_release(std::uint32_t slot) noexcept {
-  recv_slot& s = srq_pool->slots[slot];
+void core::on_srq_release(recv_slot& s) noexcept {
   if (!post_srq(s)) return;
   auto it = srq_conns.find(s.qp_num);
   if (it != srq_conns.end()) it->second->on_srq_credit();
@@ -1346,8 +1343,9 @@ class verbs_connection final : public connection_impl {
     s->rx.pop_front();
     recv_pool* p = s->pool;
     ++p->refs;
-    co_return message(std::span<const std::byte>(p->slots[it.slot].addr, it.len), it.imm, &recv_pool::release, p,
-                      it.slot);
+    // The message's slot word is the buffer's recv_slot (see recv_pool::release).
+    co_return message(std::span<const std::byte>(it.slot->addr, it.len), it.imm, &recv_pool::release, p,
+                      reinterpret_cast<std::uintptr_t>(it.slot));
   }
 
   task<result<void>> write(std::span<const std::byte> local, remote_buffer remote) override {
