@@ -326,6 +326,15 @@ connection_options conn_opts(const options& o, std::uint64_t depth) {
   return c;
 }
 
+// Where the waiting went: completions reaped, completion-channel wake-ups
+// (each one a sleep the busy-poll budget did not cover) and loop sleeps.
+void print_poll_stats(const domain& d, const char* who) {
+  if (auto st = verbs::stats(d))
+    std::printf("# %s: %" PRIu64 " completions, %" PRIu64 " completion-channel wake-ups, %" PRIu64 " loop sleeps\n", who,
+                st->completions, st->cq_events, io_context::current().loop_sleeps());
+  std::fflush(stdout);
+}
+
 double us(clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
 // ---------------------------------------------------------------- server
@@ -435,6 +444,7 @@ task<int> server_main(const options& o) {
     auto c = check(co_await l.accept(), "accept");
     try {
       co_await serve_one(std::move(c), d);
+      print_poll_stats(d, "server");
     } catch (const std::exception& e) {
       if (!o.loop) throw;
       std::fprintf(stderr, "shuttle-perf: session failed: %s\n", e.what());
@@ -737,6 +747,7 @@ task<int> client_main(const options& o) {
     }
     std::fflush(stdout);
   }
+  print_poll_stats(d, "client");
   std::printf("#---------------------------------------------------------------------------------------\n");
   (void)co_await s.c.close();
   co_return 0;
