@@ -1,6 +1,7 @@
 #include <shuttle/detail/spin_clock.hpp>
 
 #include <chrono>
+#include <cstdint>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <x86intrin.h>
@@ -17,26 +18,46 @@ std::int64_t steady_ns() noexcept {
 }
 
 #ifdef SHUTTLE_SPIN_CLOCK_TSC
-// The TSC rate, against steady_clock over a short spin. The error is about
-// one clock read over the window (under 1% even where a read costs 1.4 us).
+// The TSC rate, against steady_clock over a short spin. Each end of the
+// window is the tightest of a few (TSC, steady, TSC) samples, so that a
+// preemption inside one cannot skew the rate; the error left is about one
+// clock read over the window (under 1% even where a read costs 1.4 us).
 struct tsc_scale {
   std::uint64_t tick0 = 0;
   std::int64_t ns0 = 0;
   double ns_per_tick = 0;  // 0: no usable TSC, steady_clock is used
 
+  struct point {
+    std::uint64_t tick;
+    std::int64_t ns;
+  };
+  static point sample() noexcept {
+    point best{0, 0};
+    std::uint64_t best_width = UINT64_MAX;
+    for (int i = 0; i < 5; ++i) {
+      const std::uint64_t a = __rdtsc();
+      const std::int64_t t = steady_ns();
+      const std::uint64_t b = __rdtsc();
+      if (b >= a && b - a < best_width) {
+        best_width = b - a;
+        best = {a + (b - a) / 2, t};
+      }
+    }
+    return best;
+  }
+
   tsc_scale() noexcept {
     constexpr std::int64_t window_ns = 200'000;
-    const std::int64_t t0 = steady_ns();
-    const std::uint64_t c0 = __rdtsc();
-    std::int64_t t1 = t0;
-    while ((t1 = steady_ns()) - t0 < window_ns) {
+    const point p0 = sample();
+    while (steady_ns() - p0.ns < window_ns) {
     }
-    const std::uint64_t c1 = __rdtsc();
-    if (c1 > c0 + 1000) {
-      ns_per_tick = double(t1 - t0) / double(c1 - c0);
-      tick0 = c0;
-      ns0 = t0;
-    }
+    const point p1 = sample();
+    if (p1.tick <= p0.tick || p1.ns <= p0.ns) return;
+    const double rate = double(p1.ns - p0.ns) / double(p1.tick - p0.tick);
+    if (rate < 0.01 || rate > 10.0) return;  // not 0.1-100 GHz: not a usable TSC
+    ns_per_tick = rate;
+    tick0 = p0.tick;
+    ns0 = p0.ns;
   }
 };
 #endif

@@ -1,6 +1,9 @@
 #include <doctest/doctest.h>
 
+#include <shuttle/detail/spin_clock.hpp>
 #include <shuttle/shuttle.hpp>
+
+#include <thread>
 
 using namespace shuttle;
 using namespace std::chrono_literals;
@@ -163,4 +166,46 @@ TEST_CASE("a busy-polling loop still completes io_uring operations") {
     CHECK(took >= 10ms);
     CHECK(took < 5s);
   }
+}
+
+// spin_clock (the busy-polling budgets' clock: the TSC on x86) keeps time
+// with steady_clock.
+TEST_CASE("spin_clock advances with steady_clock") {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::int64_t s0 = detail::spin_clock::now_ns();
+  std::this_thread::sleep_for(30ms);
+  const std::int64_t s1 = detail::spin_clock::now_ns();
+  const double steady_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+  const double ratio = double(s1 - s0) / steady_ns;
+  CAPTURE(ratio);
+  CHECK(ratio > 0.8);
+  CHECK(ratio < 1.2);
+}
+
+// The loop busy-polls its pollers for spin_budget after the last work and
+// only then offers them interrupt mode and sleeps.
+TEST_CASE("spin_budget: the loop spins for the budget, then sleeps") {
+  struct idle_poller : poller {
+    std::chrono::steady_clock::time_point first_offer{};
+    bool poll() override { return false; }
+    bool try_enter_interrupt_mode() override {
+      if (first_offer == std::chrono::steady_clock::time_point{}) first_offer = std::chrono::steady_clock::now();
+      return true;
+    }
+    void exit_interrupt_mode() override {}
+  };
+  io_context::options o;
+  o.spin_budget = 20ms;
+  io_context ctx(o);
+  idle_poller p;
+  ctx.add_poller(p);
+  const auto t0 = std::chrono::steady_clock::now();
+  ctx.run([]() -> task<void> { (void)co_await sleep_for(80ms); }());
+  ctx.remove_poller(p);
+  const auto spun = p.first_offer - t0;
+  const double spun_ms = std::chrono::duration<double, std::milli>(spun).count();
+  CAPTURE(spun_ms);
+  CHECK(spun >= 15ms);  // the budget, less the spin clock's calibration error
+  CHECK(spun < 70ms);
+  CHECK(ctx.loop_sleeps() >= 1);
 }
