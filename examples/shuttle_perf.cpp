@@ -200,6 +200,7 @@ struct options {
   bool json = false;
   bool loop = false;
   std::uint32_t rx_depth = 512;
+  std::uint64_t rx_size = 65536;
   std::uint64_t spin_us = 5000;
   std::string lat_method = "auto";  // write_lat: poll | imm | auto (poll on verbs, imm on tcp)
 };
@@ -212,6 +213,7 @@ void usage(FILE* f) {
       "                    [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--warmup N] [--json]\n"
       "                                                                                      (client)\n"
       "common: --device NAME (verbs, e.g. rxe0)  --gid-index N (verbs)  --rx-depth N (posted receives, 512)\n"
+      "        --rx-size S (bytes per receive buffer, 64K: the largest send the peer accepts)\n"
       "        --spin-us N (busy-poll the completion queue this long after the last completion, 5000)\n"
       "        --write-lat-method poll|imm|auto (write_lat: poll memory, or write_with_imm ping-pong;\n"
       "                                          auto: poll on verbs, imm on tcp)\n"
@@ -280,6 +282,10 @@ options parse_args(int argc, char** argv) {
     } else if (k == "--batch" || k == "-l") {
       o.batch = parse_size(val(), "--batch");
       if (o.batch == 0 || o.batch > 65536) fail("--batch must be in 1..65536");
+    } else if (k == "--rx-size") {
+      o.rx_size = parse_size(val(), "--rx-size");
+      if (o.rx_size < sizeof(ctrl) || o.rx_size > (1u << 30))
+        fail("--rx-size must be in " + std::to_string(sizeof(ctrl)) + "..1G (control messages travel by send)");
     } else if (k == "--rx-depth") {
       o.rx_depth = static_cast<std::uint32_t>(parse_size(val(), "--rx-depth"));
       if (o.rx_depth == 0 || o.rx_depth > 65536) fail("--rx-depth must be in 1..65536");
@@ -323,6 +329,7 @@ connection_options conn_opts(const options& o, std::uint64_t depth) {
   connection_options c;
   c.send_queue_depth = static_cast<std::uint32_t>(std::max<std::uint64_t>(depth, 128) + 8);
   c.receive_buffers = o.rx_depth;
+  c.receive_buffer_size = o.rx_size;
   return c;
 }
 
