@@ -685,7 +685,7 @@ task<int> client_main(const options& o) {
     sizes = {o.size ? o.size : (t.latency ? 2 : 65536)};
     if (sizes[0] > max_msg)
       fail(std::string(t.name) + ": size " + std::to_string(sizes[0]) + " is above the largest message (" +
-           std::to_string(max_msg) + ")");
+           std::to_string(max_msg) + "; give both sides a larger --rx-size)");
   }
   const std::uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
   std::uint64_t region = std::max<std::uint64_t>(max_size, std::min<std::uint64_t>(max_size * depth, region_cap));
