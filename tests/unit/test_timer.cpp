@@ -200,12 +200,12 @@ TEST_CASE("spin_budget: the loop spins for the budget, then sleeps") {
   idle_poller p;
   ctx.add_poller(p);
   const auto t0 = std::chrono::steady_clock::now();
-  ctx.run([]() -> task<void> { (void)co_await sleep_for(80ms); }());
+  ctx.run([]() -> task<void> { (void)co_await sleep_for(200ms); }());
   ctx.remove_poller(p);
   const auto spun = p.first_offer - t0;
   const double spun_ms = std::chrono::duration<double, std::milli>(spun).count();
   CAPTURE(spun_ms);
-  CHECK(spun >= 15ms);  // the budget, less the spin clock's calibration error
-  CHECK(spun < 70ms);
+  CHECK(spun >= 15ms);   // the budget, less the spin clock's calibration error
+  CHECK(spun < 190ms);  // before the timer: it did not spin until the next work (slack for a loaded machine)
   CHECK(ctx.loop_sleeps() >= 1);
 }
