@@ -301,8 +301,10 @@ void io_context::run_until(const bool& done, bool stoppable) {
   // submit or completion work waiting (taskrun flag), or else once every
   // `enter_every` turns.
   using detail::spin_clock;
-  const std::int64_t spin_budget = opts_.spin_budget.count();
-  const std::int64_t ring_spin_budget = opts_.ring_spin_budget.count();
+  // The budgets are read each time: set_ring_spin_budget may change one
+  // while the loop runs.
+  auto spin_budget = [this] { return std::int64_t(opts_.spin_budget.count()); };
+  auto ring_spin_budget = [this] { return std::int64_t(opts_.ring_spin_budget.count()); };
   std::int64_t last_work = spin_clock::now_ns();
   std::int64_t last_completion = last_work;  // for ring_spin_budget
   constexpr unsigned clock_every = 16, enter_every = 64;
@@ -319,7 +321,7 @@ void io_context::run_until(const bool& done, bool stoppable) {
     }
     if (done) break;
     ++turn;
-    if (pollers_.empty() && ring_spin_budget == 0) {
+    if (pollers_.empty() && ring_spin_budget() == 0) {
       spinning = false;
     } else {
       if (work) work_unstamped = true;
@@ -328,19 +330,18 @@ void io_context::run_until(const bool& done, bool stoppable) {
         if (work_unstamped || now < last_work) last_work = now;
         if (completion_unstamped || now < last_completion) last_completion = now;
         work_unstamped = completion_unstamped = false;
-        spinning = (!pollers_.empty() && now - last_work < spin_budget) || now - last_completion < ring_spin_budget;
+        spinning =
+            (!pollers_.empty() && now - last_work < spin_budget()) || now - last_completion < ring_spin_budget();
       }
     }
     if (work || !ready_.empty() || spinning) {
       // Submit what is queued and run deferred completion work, no wait.
       // A spinning turn with nothing queued, nothing flagged and nothing
       // in the CQ makes no call into liburing at all.
-      if (!taskrun_flag_ || turn % enter_every == 0)
+      if (!taskrun_flag_ || turn % enter_every == 0 || io_uring_sq_ready(&ring_) > 0 ||
+          (IO_URING_READ_ONCE(*ring_.sq.kflags) & (IORING_SQ_TASKRUN | IORING_SQ_CQ_OVERFLOW)))
         io_uring_submit_and_get_events(&ring_);
-      else if (io_uring_sq_ready(&ring_) > 0 ||
-               (IO_URING_READ_ONCE(*ring_.sq.kflags) & (IORING_SQ_TASKRUN | IORING_SQ_CQ_OVERFLOW)))
-        io_uring_submit_and_get_events(&ring_);
-      if (io_uring_cq_ready(&ring_) > 0 && reap() > 0 && ring_spin_budget > 0) completion_unstamped = true;
+      if (io_uring_cq_ready(&ring_) > 0 && reap() > 0 && ring_spin_budget() > 0) completion_unstamped = true;
       continue;
     }
     if (!pollers_.empty() && !enter_interrupt_mode()) {
@@ -357,7 +358,7 @@ void io_context::run_until(const bool& done, bool stoppable) {
     if (!pollers_.empty()) exit_interrupt_mode();
     reap();
     last_work = last_completion = spin_clock::now_ns();
-    spinning = !pollers_.empty() || ring_spin_budget > 0;
+    spinning = !pollers_.empty() || ring_spin_budget() > 0;
   }
 }
 

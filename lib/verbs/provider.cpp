@@ -949,6 +949,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     }
     return true;
   }
+  void unreserve(bool credit) noexcept {
+    sq.release();
+    if (credit) credits.release();
+  }
 
   // One signaled WR whose slot (and credit) the caller holds: posted when
   // awaited, its completion awaited in the caller's frame (no frame of its
@@ -969,8 +973,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     bool await_ready() noexcept {
       if (!c->usable()) {
         post_error = -1;
-        c->sq.release();
-        if (credit) c->credits.release();
+        c->unreserve(credit);
         return true;
       }
       if (atomic_result) {
@@ -995,8 +998,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (int e = ibv_post_send(c->qp, &wr, &bad)) {
         post_error = e;
         if (atomic_result) c->scratch_free.push_back(slot);
-        c->sq.release();
-        if (credit) c->credits.release();
+        c->unreserve(credit);
         return true;
       }
       ++c->outstanding;

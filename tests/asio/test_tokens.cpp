@@ -75,6 +75,25 @@ void run_until(shuttle::io_context& loop, const bool& flag, std::chrono::millise
   }(flag, limit));
 }
 
+// co_spawns `a` on actx's executor and runs the loop until it ends (or
+// `limit` passes): whether it ended, and what it threw. The completion
+// handler owns its state, so a spawn that outlives the limit writes nowhere.
+struct spawn_outcome {
+  bool done = false;
+  std::exception_ptr failure;
+};
+template <class Awaitable>
+spawn_outcome spawn_and_run(shuttle::io_context& loop, sa::context& actx, Awaitable&& a,
+                            std::chrono::milliseconds limit = 5000ms) {
+  auto out = std::make_shared<spawn_outcome>();
+  net::co_spawn(actx.get_executor(), std::forward<Awaitable>(a), [out](std::exception_ptr e) {
+    out->failure = e;
+    out->done = true;
+  });
+  run_until(loop, out->done, limit);
+  return *out;
+}
+
 }  // namespace
 
 // Global allocation counting, switched on per thread around a measured span.
@@ -192,8 +211,6 @@ TEST_CASE("use_awaitable on shuttle's executor: TCP echo, redirect_error, except
   shuttle::io_context loop;
   sa::context actx(loop);
   auto p = loop.run(connected_pair());
-  bool done = false;
-  std::exception_ptr failure;
   auto session = [&]() -> net::awaitable<void> {
     std::string msg = "hello asio";
     std::size_t n = co_await sa::async_write(p.client, bytes(msg), net::use_awaitable);
@@ -217,11 +234,7 @@ TEST_CASE("use_awaitable on shuttle's executor: TCP echo, redirect_error, except
     }
     CHECK(threw);
   };
-  net::co_spawn(actx.get_executor(), session(), [&](std::exception_ptr e) {
-    failure = e;
-    done = true;
-  });
-  run_until(loop, done);
+  auto [done, failure] = spawn_and_run(loop, actx, session());
   CHECK(done);
   CHECK_FALSE(failure);
 }
@@ -372,20 +385,14 @@ TEST_CASE("transport: write_with_imm and recv with Asio tokens; in-flight RDMA r
 
   std::vector<std::byte> target(1 << 16);
   auto mr = sd.register_memory(target, shuttle::access::all).value();
-  bool done = false;
-  std::exception_ptr failure;
   std::string payload = "record batch 1";
-  net::co_spawn(actx.get_executor(), [&]() -> net::awaitable<void> {
+  auto [done, failure] = spawn_and_run(loop, actx, [&]() -> net::awaitable<void> {
     // Sink posts a receive for the notification; the source writes with an immediate.
     co_await sa::async_write_with_imm(client, bytes(payload), mr.remote(0, payload.size()), 77u, net::use_awaitable);
     auto m = co_await sa::async_recv(server, net::use_awaitable);
     CHECK(m.imm() == 77u);
     CHECK(std::memcmp(target.data(), payload.data(), payload.size()) == 0);
-  }, [&](std::exception_ptr e) {
-    failure = e;
-    done = true;
   });
-  run_until(loop, done);
   REQUIRE(done);
   CHECK_FALSE(failure);
 
@@ -717,11 +724,9 @@ TEST_CASE("[deferred] deferred, as_tuple, || and && (with slot cancellation)") {
   auto big_mr = sd.register_memory(big_src, shuttle::access::all).value();
   std::vector<std::byte> dst(big_src.size());
 
-  bool done = false;
-  std::exception_ptr failure;
   std::vector<std::byte> buf(16);
   std::string msg = "x";
-  net::co_spawn(actx.get_executor(), [&]() -> net::awaitable<void> {
+  auto [done, failure] = spawn_and_run(loop, actx, [&]() -> net::awaitable<void> {
     // deferred: nothing starts until the deferred operation is invoked.
     auto op = sa::async_wait_for(1ms, net::deferred);
     co_await std::move(op)(net::use_awaitable);
@@ -756,11 +761,7 @@ TEST_CASE("[deferred] deferred, as_tuple, || and && (with slot cancellation)") {
     auto rr = co_await (sa::async_read(client, dst, big_mr.remote(), net::use_awaitable) ||
                         sa::async_wait_for(50us, net::use_awaitable));
     MESSAGE("RDMA read vs timer: winner " << rr.index());
-  }, [&](std::exception_ptr e) {
-    failure = e;
-    done = true;
-  });
-  run_until(loop, done, 20000ms);
+  }, 20000ms);
   CHECK(done);
   if (failure) {
     try {
@@ -780,17 +781,11 @@ TEST_CASE("[deferred] a deferred read_some and timer started later, and from ano
   auto p = loop.run(connected_pair());
   std::vector<std::byte> buf(16);
   std::string msg = "z";
-  bool done = false;
-  std::exception_ptr failure;
-  net::co_spawn(actx.get_executor(), [&]() -> net::awaitable<void> {
+  auto [done, failure] = spawn_and_run(loop, actx, [&]() -> net::awaitable<void> {
     auto read = sa::async_read_some(p.server, buf, net::deferred);
     co_await sa::async_write_some(p.client, bytes(msg), net::use_awaitable);
     CHECK(co_await std::move(read)(net::use_awaitable) == 1);
-  }, [&](std::exception_ptr e) {
-    failure = e;
-    done = true;
   });
-  run_until(loop, done);
   CHECK(done);
   CHECK_FALSE(failure);
 
@@ -829,16 +824,10 @@ TEST_CASE("CUDA: waiting for a stream with use_awaitable and with a callback") {
   shuttle::cuda::stream s;
   std::vector<char> host(1 << 20, 1);
   shuttle::cuda::device_buffer dev(host.size());
-  bool done = false;
-  std::exception_ptr failure;
-  net::co_spawn(actx.get_executor(), [&]() -> net::awaitable<void> {
+  auto [done, failure] = spawn_and_run(loop, actx, [&]() -> net::awaitable<void> {
     shuttle::cuda::check(cudaMemcpyAsync(dev.data(), host.data(), host.size(), cudaMemcpyHostToDevice, s), "copy");
     co_await sa::async_wait(static_cast<cudaStream_t>(s), net::use_awaitable);
-  }, [&](std::exception_ptr e) {
-    failure = e;
-    done = true;
   });
-  run_until(loop, done);
   CHECK(done);
   CHECK_FALSE(failure);
   bool cb = false;
