@@ -239,6 +239,46 @@ TEST_CASE("use_awaitable on shuttle's executor: TCP echo, redirect_error, except
   CHECK_FALSE(failure);
 }
 
+TEST_CASE("shuttle::asio::awaitable / use_awaitable (typed on shuttle's executor): TCP, timer, async_run, errors") {
+  shuttle::io_context loop;
+  sa::context actx(loop);
+  auto p = loop.run(connected_pair());
+  auto session = [&]() -> sa::awaitable<void> {
+    // The coroutine's executor is shuttle's own, not an any_io_executor.
+    sa::executor ex = co_await net::this_coro::executor;
+    CHECK(&ex.loop() == &loop);
+    std::string msg = "typed executor";
+    std::size_t n = co_await sa::async_write(p.client, bytes(msg), sa::use_awaitable);
+    CHECK(n == msg.size());
+    std::vector<std::byte> buf(msg.size());
+    n = co_await sa::async_read(p.server, buf, sa::use_awaitable);
+    CHECK(n == msg.size());
+    CHECK(std::memcmp(buf.data(), msg.data(), n) == 0);
+    auto t0 = shuttle::clock::now();
+    co_await sa::async_wait_for(2ms, sa::use_awaitable);
+    CHECK(shuttle::clock::now() - t0 >= 2ms);
+    int v = co_await sa::async_run(loop, []() -> task<shuttle::result<int>> { co_return 42; }, sa::use_awaitable);
+    CHECK(v == 42);
+    // Errors as with asio::use_awaitable: an exception, or a code through redirect_error.
+    p.client.close();
+    error_code ec;
+    n = co_await sa::async_read_some(p.server, buf, net::redirect_error(sa::use_awaitable, ec));
+    CHECK(!ec);
+    CHECK(n == 0);  // peer closed
+    bool threw = false;
+    try {
+      (void)co_await sa::async_read(p.server, buf, sa::use_awaitable);
+    } catch (const boost::system::system_error& e) {
+      threw = true;
+      CHECK(sa::from_boost(e.code()) == shuttle::make_error_code(shuttle::errc::eof));
+    }
+    CHECK(threw);
+  };
+  auto [done, failure] = spawn_and_run(loop, actx, session());
+  CHECK(done);
+  CHECK_FALSE(failure);
+}
+
 TEST_CASE("use_future: initiated from another thread, the operation runs on the loop") {
   shuttle::io_context loop;
   bool done = false;

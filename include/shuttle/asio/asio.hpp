@@ -6,6 +6,8 @@
 //    as_tuple, ||/&&), Asio cancellation slots -> shuttle cancellation;
 //  - use_task.hpp: shuttle tasks await Asio operations;
 //  - executor.hpp: the shuttle loop as an Asio execution context;
+//  - awaitable.hpp: awaitable<T> and use_awaitable typed on that executor
+//    (cheaper per operation than asio::awaitable's any_io_executor);
 //  - asio_driver.hpp: an asio::io_context driven from the shuttle loop;
 //  - recycling.hpp (internal): operation memory (associated allocators, a
 //    per-thread cache, Asio's own per-thread cache on shuttle's loop).
@@ -18,6 +20,7 @@
 #include <shuttle/asio/error.hpp>
 #include <shuttle/asio/recycling.hpp>
 #include <shuttle/asio/executor.hpp>
+#include <shuttle/asio/awaitable.hpp>
 #include <shuttle/asio/async_run.hpp>
 #include <shuttle/asio/sqe_op.hpp>
 #include <shuttle/asio/ops.hpp>
