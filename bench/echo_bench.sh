@@ -12,10 +12,15 @@
 #                /proc/PID/stat) per request: what serving one request costs;
 #   ratio        shuttle req/s / Asio req/s;
 #   cpu_ratio    Asio srv_us/req / shuttle srv_us/req: how much more work
-#                the same requests cost the Asio server.
-# Server and client share this machine's cores. When the client, not the
-# server, is what saturates, req/s ratios tend to 1 whatever the servers
-# cost; cpu_ratio still compares the servers. Run on a quiet machine.
+#                the same requests cost the Asio server;
+#   cli_us/req   the client's CPU time per request (its own getrusage over
+#                the load), with each server.
+# Server and client share this machine's cores. When they keep every core
+# busy, req/s = cores / (cli_us + srv_us), so the req/s ratio is
+# (cli_a + srv_a) / (cli_s + srv_s): a client that costs as much as the
+# server halves what a cheaper server can show in req/s; cpu_ratio still
+# compares the servers alone. When the client, not the server, is what
+# saturates, req/s ratios tend to 1. Run on a quiet machine.
 #
 # Usage: bench/echo_bench.sh [BUILD_DIR] [DURATION_S] [SERVER_THREADS] [CLIENT_THREADS] [SHUTTLE_SERVER_ARGS]
 # Environment: REPS (default 3), SIZES ("64 4096"), CONNS ("1 64 1024"), CLIENT_ARGS (e.g. "--recv-ring 1024": same
@@ -51,7 +56,7 @@ start_server() {  # binary args... -> sets pid and port
 }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$pid/stat"; }
 stop_server() { kill -INT "$pid"; wait "$pid" || true; pid=; }
-measure() {  # server... -> "req/s server_us_per_request p99_us"
+measure() {  # server... -> "req/s server_us_per_request p99_us client_us_per_request"
   start_server "$@"
   local t0 t1 out
   t0=$(cpu_ticks)
@@ -63,7 +68,8 @@ measure() {  # server... -> "req/s server_us_per_request p99_us"
   python3 -c 'import json,sys
 d = json.loads(sys.argv[1]); assert d["errors"] == 0, d
 ticks = int(sys.argv[2]); hz = int(sys.argv[3])
-print("%.0f %.3f %.1f" % (d["requests_per_s"], ticks / hz * 1e6 / max(d["requests"], 1), d["p99_us"]))' \
+n = max(d["requests"], 1)
+print("%.0f %.3f %.1f %.3f" % (d["requests_per_s"], ticks / hz * 1e6 / n, d["p99_us"], d["cpu_s"] * 1e6 / n))' \
     "$out" $((t1 - t0)) "$(getconf CLK_TCK)"
 }
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
@@ -71,26 +77,26 @@ median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1
 echo "echo_bench: $sthreads server thread(s), $cthreads client thread(s), ${duration}s x $reps per server and point," \
   "shuttle server args '${shuttle_args}', client args '${client_args}'," \
   "cpus server '${SERVER_CPUS:-any}' client '${CLIENT_CPUS:-any}', $(nproc) cpus, load $(cut -d' ' -f1 /proc/loadavg)"
-printf "%-6s %-6s %12s %10s %8s %12s %10s %8s %7s %9s\n" conns size shuttle_req/s srv_us/req p99_us \
-  asio_req/s srv_us/req p99_us ratio cpu_ratio
+printf "%-6s %-6s %12s %10s %8s %10s %12s %10s %8s %10s %7s %9s\n" conns size shuttle_req/s srv_us/req p99_us cli_us/req \
+  asio_req/s srv_us/req p99_us cli_us/req ratio cpu_ratio
 for size in ${SIZES:-64 4096}; do
   for conns in ${CONNS:-1 64 1024}; do
-    s_rps=() s_cpu=() s_p99=() a_rps=() a_cpu=() a_p99=()
+    s_rps=() s_cpu=() s_p99=() s_cli=() a_rps=() a_cpu=() a_p99=() a_cli=()
     for rep in $(seq "$reps"); do
       for which in $([ $((rep % 2)) = 1 ] && echo "s a" || echo "a s"); do
         if [ "$which" = s ]; then
           # shellcheck disable=SC2086
-          read -r r c p < <(measure "$build/examples/shuttle-echo-server" $shuttle_args)
-          s_rps+=("$r"); s_cpu+=("$c"); s_p99+=("$p")
+          read -r r c p k < <(measure "$build/examples/shuttle-echo-server" $shuttle_args)
+          s_rps+=("$r"); s_cpu+=("$c"); s_p99+=("$p"); s_cli+=("$k")
         else
-          read -r r c p < <(measure "$build/bench/asio_echo_server")
-          a_rps+=("$r"); a_cpu+=("$c"); a_p99+=("$p")
+          read -r r c p k < <(measure "$build/bench/asio_echo_server")
+          a_rps+=("$r"); a_cpu+=("$c"); a_p99+=("$p"); a_cli+=("$k")
         fi
       done
     done
-    sr=$(median "${s_rps[@]}") sc=$(median "${s_cpu[@]}") sp=$(median "${s_p99[@]}")
-    ar=$(median "${a_rps[@]}") ac=$(median "${a_cpu[@]}") ap=$(median "${a_p99[@]}")
-    printf "%-6s %-6s %12s %10s %8s %12s %10s %8s %7s %9s\n" "$conns" "$size" "$sr" "$sc" "$sp" "$ar" "$ac" "$ap" \
+    sr=$(median "${s_rps[@]}") sc=$(median "${s_cpu[@]}") sp=$(median "${s_p99[@]}") sk=$(median "${s_cli[@]}")
+    ar=$(median "${a_rps[@]}") ac=$(median "${a_cpu[@]}") ap=$(median "${a_p99[@]}") ak=$(median "${a_cli[@]}")
+    printf "%-6s %-6s %12s %10s %8s %10s %12s %10s %8s %10s %7s %9s\n" "$conns" "$size" "$sr" "$sc" "$sp" "$sk" "$ar" "$ac" "$ap" "$ak" \
       "$(python3 -c "print('%.3f' % ($sr / $ar))")" "$(python3 -c "print('%.3f' % ($ac / $sc))")"
   done
 done

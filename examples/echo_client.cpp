@@ -22,7 +22,8 @@
 // connection's max_message_size() (the server's receive buffers, see its
 // --max-message); a larger S is refused with an error once connected.
 //
-// Prints requests/s, MB/s (echoed payload, one direction, 10^6 bytes),
+// Prints requests/s, MB/s (echoed payload, one direction, 10^6 bytes), the
+// client's own CPU time over the load (cpu_s),
 // latency p50/p99/p99.9 in microseconds and the error counts; with --json a
 // last line holds the same as one JSON object, for benchmark scripts.
 //
@@ -56,9 +57,19 @@
 #include <system_error>
 #include <vector>
 
+#include <sys/resource.h>
+
 namespace {
 
 using shuttle::task;
+
+// User + system CPU seconds of the whole process (every thread).
+double process_cpu_s() noexcept {
+  rusage u{};
+  if (::getrusage(RUSAGE_SELF, &u) != 0) return 0;
+  auto s = [](const timeval& t) { return double(t.tv_sec) + double(t.tv_usec) / 1e6; };
+  return s(u.ru_utime) + s(u.ru_stime);
+}
 using steady = std::chrono::steady_clock;
 constexpr const char* kProg = "shuttle-echo-client";
 
@@ -573,12 +584,16 @@ int run_client(const options& o) {
     for (auto& s : states) s->messages.clear();
   }
 
-  // Phase 2: load.
+  // Phase 2: load. The process's CPU time over it is reported too: on a
+  // machine the client shares with the server, it bounds what the server
+  // can show.
+  const double cpu0 = process_cpu_s();
   const auto start = steady::now();
   const auto deadline = start + to_ns(o.duration);
   if (connected > 0)
     on_every_thread(rt, [&](std::size_t i) { return run_load(*states[i], lp, deadline); });
   const double elapsed = std::chrono::duration<double>(steady::now() - start).count();
+  const double cpu_s = process_cpu_s() - cpu0;
   on_every_thread(rt, [&](std::size_t i) { return teardown(*states[i]); });
   rt.join();
 
@@ -609,6 +624,8 @@ int run_client(const options& o) {
   std::printf("  requests:  %llu (%.0f requests/s)\n", static_cast<unsigned long long>(requests), rps);
   std::printf("  echoed:    %.2f MB/s\n", mbps);
   std::printf("  latency:   p50 %.1f us, p99 %.1f us, p99.9 %.1f us\n", p50, p99, p999);
+  std::printf("  cpu:       %.3f s (user + system, all threads; %.2f us per request)\n", cpu_s,
+              requests ? cpu_s * 1e6 / static_cast<double>(requests) : 0.0);
   if (starved)
     std::printf("  starved:   %llu connections completed no request (server busy or not accepting)\n",
                 static_cast<unsigned long long>(starved));
@@ -620,12 +637,12 @@ int run_client(const options& o) {
         "{\"host\":\"%s\",\"port\":%u,\"connections\":%zu,\"connected\":%llu,\"threads\":%zu,\"size\":%zu,"
         "\"duration_s\":%.6f,\"requests\":%llu,\"requests_per_s\":%.1f,\"mb_per_s\":%.3f,"
         "\"p50_us\":%.2f,\"p99_us\":%.2f,\"p999_us\":%.2f,\"errors\":%llu,\"connect_failures\":%llu,"
-        "\"io_errors\":%llu,\"mismatches\":%llu,\"starved\":%llu,\"transport\":\"%s\"}\n",
+        "\"io_errors\":%llu,\"mismatches\":%llu,\"starved\":%llu,\"transport\":\"%s\",\"cpu_s\":%.6f}\n",
         o.host.c_str(), o.port, o.connections, static_cast<unsigned long long>(connected), threads, o.size, elapsed,
         static_cast<unsigned long long>(requests), rps, mbps, p50, p99, p999, static_cast<unsigned long long>(errors),
         static_cast<unsigned long long>(connect_failures), static_cast<unsigned long long>(io_errors),
         static_cast<unsigned long long>(mismatches), static_cast<unsigned long long>(starved),
-        cli::to_string(o.transport));
+        cli::to_string(o.transport), cpu_s);
   }
   std::fflush(stdout);
   return errors ? 1 : 0;
