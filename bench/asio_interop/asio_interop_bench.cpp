@@ -76,11 +76,12 @@ shuttle::tcp_socket* ring_sock = nullptr;
 task<void> ring_native(long n) {
   for (long i = 0; i < n; ++i) (void)co_await ring_sock->write_some({});
 }
-net::awaitable<void> ring_awaitable(long n) {
-  for (long i = 0; i < n; ++i) co_await sa::async_write_some(*ring_sock, {}, net::use_awaitable);
-}
-sa::awaitable<void> ring_typed(long n) {
-  for (long i = 0; i < n; ++i) co_await sa::async_write_some(*ring_sock, {}, sa::use_awaitable);
+// The awaitable forms: Awaitable/Token are asio::awaitable<void> with
+// asio::use_awaitable, or shuttle::asio::awaitable<void> with
+// shuttle::asio::use_awaitable (typed on shuttle's executor).
+template <class Awaitable, class Token>
+Awaitable ring_awaitable(long n, Token tok) {
+  for (long i = 0; i < n; ++i) co_await sa::async_write_some(*ring_sock, {}, tok);
 }
 // A callback chain of `left` operations, each started by Start::start.
 template <class Start>
@@ -133,11 +134,9 @@ template <class Token>
 auto floor_send(int fd, Token&& token) {
   return net::async_initiate<Token, void(boost::system::error_code, std::size_t)>(floor_initiate{}, token, fd);
 }
-net::awaitable<void> floor_awaitable(long n) {
-  for (long i = 0; i < n; ++i) co_await floor_send(ring_sock->native_handle(), net::use_awaitable);
-}
-sa::awaitable<void> floor_typed(long n) {
-  for (long i = 0; i < n; ++i) co_await floor_send(ring_sock->native_handle(), sa::use_awaitable);
+template <class Awaitable, class Token>
+Awaitable floor_awaitable(long n, Token tok) {
+  for (long i = 0; i < n; ++i) co_await floor_send(ring_sock->native_handle(), tok);
 }
 struct floor_start {
   template <class H>
@@ -156,20 +155,13 @@ task<void> tcp_native(shuttle::tcp_socket& s, long n) {
     while (got < msg) got += (co_await s.read_some(std::span(in + got, msg - got))).value();
   }
 }
-net::awaitable<void> tcp_awaitable(shuttle::tcp_socket& s, long n) {
+template <class Awaitable, class Token>  // as ring_awaitable
+Awaitable tcp_awaitable(shuttle::tcp_socket& s, long n, Token tok) {
   std::byte out[msg]{}, in[msg];
   for (long i = 0; i < n; ++i) {
-    co_await sa::async_write_some(s, out, net::use_awaitable);
+    co_await sa::async_write_some(s, out, tok);
     std::size_t got = 0;
-    while (got < msg) got += co_await sa::async_read_some(s, std::span(in + got, msg - got), net::use_awaitable);
-  }
-}
-sa::awaitable<void> tcp_typed(shuttle::tcp_socket& s, long n) {
-  std::byte out[msg]{}, in[msg];
-  for (long i = 0; i < n; ++i) {
-    co_await sa::async_write_some(s, out, sa::use_awaitable);
-    std::size_t got = 0;
-    while (got < msg) got += co_await sa::async_read_some(s, std::span(in + got, msg - got), sa::use_awaitable);
+    while (got < msg) got += co_await sa::async_read_some(s, std::span(in + got, msg - got), tok);
   }
 }
 struct tcp_cb {
@@ -281,12 +273,12 @@ int main(int argc, char** argv) {
     double rn = 1e300, ra = 1e300, rt = 1e300, rd = 1e300, rc = 1e300, fa = 1e300, ft = 1e300, fc = 1e300;
     for (int rep = 0; rep <= reps && want("ring"); ++rep) {
       double a = run_native([&] { return ring_native(n); });
-      double b = run_aw(sctx.get_executor(), [&] { return ring_awaitable(n); });
-      double bt = run_aw(sctx.get_executor(), [&] { return ring_typed(n); });
-      double c = run_aw(actx.get_executor(), [&] { return ring_awaitable(n); });
+      double b = run_aw(sctx.get_executor(), [&] { return ring_awaitable<net::awaitable<void>>(n, net::use_awaitable); });
+      double bt = run_aw(sctx.get_executor(), [&] { return ring_awaitable<sa::awaitable<void>>(n, sa::use_awaitable); });
+      double c = run_aw(actx.get_executor(), [&] { return ring_awaitable<net::awaitable<void>>(n, net::use_awaitable); });
       double d = ring_callback();
-      double e = run_aw(sctx.get_executor(), [&] { return floor_awaitable(n); });
-      double et = run_aw(sctx.get_executor(), [&] { return floor_typed(n); });
+      double e = run_aw(sctx.get_executor(), [&] { return floor_awaitable<net::awaitable<void>>(n, net::use_awaitable); });
+      double et = run_aw(sctx.get_executor(), [&] { return floor_awaitable<sa::awaitable<void>>(n, sa::use_awaitable); });
       double f = floor_callback();
       if (rep == 0) continue;
       rn = std::min(rn, a), ra = std::min(ra, b), rt = std::min(rt, bt), rd = std::min(rd, c), rc = std::min(rc, d);
@@ -308,9 +300,9 @@ int main(int argc, char** argv) {
     double tn = 1e300, ta = 1e300, tt = 1e300, td = 1e300, tc = 1e300;
     for (int rep = 0; rep <= reps && want("tcp"); ++rep) {
       double a = run_native([&] { return tcp_native(p.client, n); });
-      double b = run_aw(sctx.get_executor(), [&] { return tcp_awaitable(p.client, n); });
-      double bt = run_aw(sctx.get_executor(), [&] { return tcp_typed(p.client, n); });
-      double c = run_aw(actx.get_executor(), [&] { return tcp_awaitable(p.client, n); });
+      double b = run_aw(sctx.get_executor(), [&] { return tcp_awaitable<net::awaitable<void>>(p.client, n, net::use_awaitable); });
+      double bt = run_aw(sctx.get_executor(), [&] { return tcp_awaitable<sa::awaitable<void>>(p.client, n, sa::use_awaitable); });
+      double c = run_aw(actx.get_executor(), [&] { return tcp_awaitable<net::awaitable<void>>(p.client, n, net::use_awaitable); });
       double d = tcp_callback();
       if (rep == 0) continue;
       tn = std::min(tn, a), ta = std::min(ta, b), tt = std::min(tt, bt), td = std::min(td, c), tc = std::min(tc, d);

@@ -207,34 +207,38 @@ TEST_CASE("plain callback: runs on the loop thread, never inside the initiating 
   CHECK(fired);
 }
 
+// A TCP echo, then its errors: an exception with use_awaitable, a code with
+// redirect_error. Awaitable/Token: asio::awaitable<void> with
+// asio::use_awaitable, or shuttle::asio's (typed on shuttle's executor).
+template <class Awaitable, class Token>
+Awaitable echo_then_errors(socket_pair& p, Token tok) {
+  std::string msg = "hello asio";
+  std::size_t n = co_await sa::async_write(p.client, bytes(msg), tok);
+  CHECK(n == msg.size());
+  std::vector<std::byte> buf(msg.size());
+  n = co_await sa::async_read(p.server, buf, tok);
+  CHECK(n == msg.size());
+  CHECK(std::memcmp(buf.data(), msg.data(), n) == 0);
+  p.client.close();
+  error_code ec;
+  n = co_await sa::async_read_some(p.server, buf, net::redirect_error(tok, ec));
+  CHECK(!ec);
+  CHECK(n == 0);  // peer closed
+  bool threw = false;
+  try {
+    (void)co_await sa::async_read(p.server, buf, tok);
+  } catch (const boost::system::system_error& e) {
+    threw = true;
+    CHECK(sa::from_boost(e.code()) == shuttle::make_error_code(shuttle::errc::eof));
+  }
+  CHECK(threw);
+}
+
 TEST_CASE("use_awaitable on shuttle's executor: TCP echo, redirect_error, exceptions") {
   shuttle::io_context loop;
   sa::context actx(loop);
   auto p = loop.run(connected_pair());
-  auto session = [&]() -> net::awaitable<void> {
-    std::string msg = "hello asio";
-    std::size_t n = co_await sa::async_write(p.client, bytes(msg), net::use_awaitable);
-    CHECK(n == msg.size());
-    std::vector<std::byte> buf(msg.size());
-    n = co_await sa::async_read(p.server, buf, net::use_awaitable);
-    CHECK(n == msg.size());
-    CHECK(std::memcmp(buf.data(), msg.data(), n) == 0);
-    // Errors: as an exception with use_awaitable, as a code with redirect_error.
-    p.client.close();
-    error_code ec;
-    n = co_await sa::async_read_some(p.server, buf, net::redirect_error(net::use_awaitable, ec));
-    CHECK(!ec);
-    CHECK(n == 0);  // peer closed
-    bool threw = false;
-    try {
-      (void)co_await sa::async_read(p.server, buf, net::use_awaitable);
-    } catch (const boost::system::system_error& e) {
-      threw = true;
-      CHECK(sa::from_boost(e.code()) == shuttle::make_error_code(shuttle::errc::eof));
-    }
-    CHECK(threw);
-  };
-  auto [done, failure] = spawn_and_run(loop, actx, session());
+  auto [done, failure] = spawn_and_run(loop, actx, echo_then_errors<net::awaitable<void>>(p, net::use_awaitable));
   CHECK(done);
   CHECK_FALSE(failure);
 }
@@ -247,32 +251,12 @@ TEST_CASE("shuttle::asio::awaitable / use_awaitable (typed on shuttle's executor
     // The coroutine's executor is shuttle's own, not an any_io_executor.
     sa::executor ex = co_await net::this_coro::executor;
     CHECK(&ex.loop() == &loop);
-    std::string msg = "typed executor";
-    std::size_t n = co_await sa::async_write(p.client, bytes(msg), sa::use_awaitable);
-    CHECK(n == msg.size());
-    std::vector<std::byte> buf(msg.size());
-    n = co_await sa::async_read(p.server, buf, sa::use_awaitable);
-    CHECK(n == msg.size());
-    CHECK(std::memcmp(buf.data(), msg.data(), n) == 0);
     auto t0 = shuttle::clock::now();
     co_await sa::async_wait_for(2ms, sa::use_awaitable);
     CHECK(shuttle::clock::now() - t0 >= 2ms);
     int v = co_await sa::async_run(loop, []() -> task<shuttle::result<int>> { co_return 42; }, sa::use_awaitable);
     CHECK(v == 42);
-    // Errors as with asio::use_awaitable: an exception, or a code through redirect_error.
-    p.client.close();
-    error_code ec;
-    n = co_await sa::async_read_some(p.server, buf, net::redirect_error(sa::use_awaitable, ec));
-    CHECK(!ec);
-    CHECK(n == 0);  // peer closed
-    bool threw = false;
-    try {
-      (void)co_await sa::async_read(p.server, buf, sa::use_awaitable);
-    } catch (const boost::system::system_error& e) {
-      threw = true;
-      CHECK(sa::from_boost(e.code()) == shuttle::make_error_code(shuttle::errc::eof));
-    }
-    CHECK(threw);
+    co_await echo_then_errors<sa::awaitable<void>>(p, sa::use_awaitable);
   };
   auto [done, failure] = spawn_and_run(loop, actx, session());
   CHECK(done);
