@@ -6,7 +6,7 @@
 #   build-asan   g++ with ASan+UBSan, the same suites but fuzz
 #   build-asio181 g++ ASan+UBSan against Boost 1.81 (tools/boost-alt.sh): asio targets and suite only
 #   build-fuzz   clang, the libFuzzer frame-decoder target, 60 s
-#   build-tsan   clang with TSan, the multi-threaded suites
+#   build-tsan   clang with TSan, the multi-threaded suites (only their targets built)
 # Exit status: non-zero if any suite failed. Skips (exit 77) are reported by meson.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,8 +58,12 @@ else CC=clang CXX=clang++ meson setup build-fuzz -Dbench=false >/dev/null; fi
 ninja -C build-fuzz tests/transport/fuzz_frame
 run_suites build-fuzz --no-rebuild --suite fuzz
 
-CC=clang CXX=clang++ configure build-tsan --buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dbench=false
-TSAN_OPTIONS=halt_on_error=1 run_suites build-tsan --suite threads
+# TSan: only the targets of the multi-threaded suite are built.
+if [ -d build-tsan ]; then CC=clang CXX=clang++ meson setup --reconfigure build-tsan >/dev/null
+else CC=clang CXX=clang++ meson setup build-tsan --buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false \
+       -Dbench=false >/dev/null; fi
+ninja -C build-tsan -j "$jobs" tests/test_runtime tests/asio/test_asio_tokens
+TSAN_OPTIONS=halt_on_error=1 run_suites build-tsan --no-rebuild --suite threads
 
 if [ $status -eq 0 ]; then echo "run-tests: all suites passed"; else echo "run-tests: FAILURES (see above)"; fi
 exit $status
