@@ -1111,14 +1111,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       }
     }
     bool await_ready() const noexcept { return pending == 0; }
-    // Callers hold no reference of their own to the connection state while
-    // nothing waits: the wait takes one (the state may be dying by the time
-    // the completion resumes it).
-    std::shared_ptr<conn_state> keep;
     template <class P>
     void await_suspend(std::coroutine_handle<P> hh) {
       h = hh;
-      keep = c->shared_from_this();
       std::stop_token t = stop_token_of(hh);
       if (t.stop_possible()) scb.emplace(std::move(t), cancel_cb{this});
     }
