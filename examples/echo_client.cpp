@@ -217,10 +217,11 @@ struct load_params {
   cli::transport transport = cli::transport::socket;
   std::size_t size = 64;
   std::size_t recv_ring = 0;
+  bool register_files = true;
 };
 
 task<void> connect_socket(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
-                          std::chrono::nanoseconds timeout) {
+                          std::chrono::nanoseconds timeout, bool register_file) {
   shuttle::result<shuttle::tcp_socket> r;
   try {
     r = co_await shuttle::tcp_socket::connect(ep, timeout);
@@ -236,6 +237,9 @@ task<void> connect_socket(thread_state& ts, std::size_t slot, shuttle::endpoint 
   }
   c.socket = std::move(*r);
   (void)c.socket.set_nodelay(true);
+  // This thread's ring names the socket by a registered-file slot (no file
+  // lookup per operation); best effort, as the fd serves as well.
+  if (register_file) (void)c.socket.register_file();
 }
 
 task<void> connect_transport(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
@@ -291,7 +295,7 @@ task<void> connect_all(thread_state& ts, shuttle::endpoint ep, std::chrono::nano
   shuttle::async_scope scope;
   for (std::size_t i = 0; i < ts.connections.size(); ++i) {
     if (lp.transport == cli::transport::socket)
-      scope.spawn(connect_socket(ts, i, ep, timeout));
+      scope.spawn(connect_socket(ts, i, ep, timeout, lp.register_files));
     else
       scope.spawn(connect_transport(ts, i, ep, timeout, lp));
   }
@@ -484,11 +488,13 @@ struct options {
   bool json = false;
   cli::transport transport = cli::transport::socket;
   std::size_t recv_ring = 0;
+  bool register_files = true;
 };
 
 const char* const kUsage =
     "usage: shuttle-echo-client --port P [--host H] [--connections C] [--size S] [--duration T]\n"
     "       [--threads N] [--connect-timeout T] [--json] [--transport T] [--recv-ring N]\n"
+    "       [--no-registered-files]\n"
     "  --host H             server address or name (default 127.0.0.1)\n"
     "  --port P             server port\n"
     "  --connections C      concurrent connections (default 1)\n"
@@ -501,7 +507,9 @@ const char* const kUsage =
     "                       tcp-provider (RDMA semantics over TCP): the last two send each\n"
     "                       request as one message, at most the connection's max_message_size()\n"
     "  --recv-ring N        tcp: receive replies through a ring of N kernel-provided buffers per\n"
-    "                       thread (multishot recv; N a power of two; default 0: a recv per reply)\n";
+    "                       thread (multishot recv; N a power of two; default 0: a recv per reply)\n"
+    "  --no-registered-files  tcp: name each socket by its fd, not by a slot in the ring's\n"
+    "                       registered-file table (for comparisons)\n";
 
 options parse_options(int argc, char** argv) {
   options o;
@@ -509,6 +517,7 @@ options parse_options(int argc, char** argv) {
   p.parse(argc, argv,
           {
               {"--json", [&] { o.json = true; }},
+              {"--no-registered-files", [&] { o.register_files = false; }},
               {"--host", [&](std::string_view v) { o.host = std::string(v); }},
               {"--port",
                [&](std::string_view v) {
@@ -554,7 +563,7 @@ int run_client(const options& o) {
   // Phase 1: connect.
   const auto timeout = to_ns(o.connect_timeout);
   const auto connect_start = steady::now();
-  const load_params lp{o.transport, o.size, o.recv_ring};
+  const load_params lp{o.transport, o.size, o.recv_ring, o.register_files};
   on_every_thread(rt, [&](std::size_t i) { return connect_all(*states[i], *ep, timeout, lp); });
   const double connect_s = std::chrono::duration<double>(steady::now() - connect_start).count();
 

@@ -159,9 +159,13 @@ task<shuttle::result<void>> write_rest(shuttle::tcp_socket& sock, std::span<cons
   co_return co_await sock.write_all(data.subspan(sent));
 }
 
-task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats, shuttle::buffer_ring* ring) {
+task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats, shuttle::buffer_ring* ring,
+                bool register_file) {
   try {
     (void)sock.set_nodelay(true);  // best effort
+    // A slot in this thread's ring file table: no file lookup per recv and
+    // send. Best effort: with the table full, the fd serves as well.
+    if (register_file) (void)sock.register_file();
     std::unique_ptr<std::byte[]> own;
     std::optional<shuttle::receive_stream> rx;
     if (ring)
@@ -216,7 +220,8 @@ task<void> echo(std::size_t index, shuttle::connection conn, thread_stats& stats
 // Accepts on `listener` (a tcp_listener or a transport listener) until
 // stopped; one echo coroutine per connection.
 template <class Listener>
-task<void> serve(std::size_t index, Listener listener, thread_stats& stats, std::size_t recv_ring = 0) {
+task<void> serve(std::size_t index, Listener listener, thread_stats& stats, std::size_t recv_ring = 0,
+                 bool register_files = false) {
   // One buffer ring per thread, shared by its connections (--recv-ring).
   std::optional<shuttle::buffer_ring> ring;
   if (recv_ring) ring.emplace(shuttle::io_context::current(), static_cast<unsigned>(recv_ring), kBufferSize);
@@ -231,7 +236,7 @@ task<void> serve(std::size_t index, Listener listener, thread_stats& stats, std:
         backoff = kMinBackoff;
         ++stats.connections;
         if constexpr (std::is_same_v<Listener, shuttle::tcp_listener>)
-          connections.spawn(echo(index, std::move(*r), stats, ring ? &*ring : nullptr));
+          connections.spawn(echo(index, std::move(*r), stats, ring ? &*ring : nullptr, register_files));
         else
           connections.spawn(echo(index, std::move(*r), stats));
         continue;
@@ -303,11 +308,12 @@ struct options {
   std::string bind = "0.0.0.0";
   std::size_t max_message = 65536;
   std::size_t recv_ring = 0;
+  bool register_files = true;
 };
 
 const char* const kUsage =
     "usage: shuttle-echo-server --port P [--threads N] [--transport T] [--bind ADDR]\n"
-    "                           [--max-message BYTES] [--recv-ring N]\n"
+    "                           [--max-message BYTES] [--recv-ring N] [--no-registered-files]\n"
     "  --port P             port to listen on (0: pick a free one and print it)\n"
     "  --threads N          event-loop threads, one listener each (default 1; tcp only)\n"
     "  --transport T        tcp (sockets, default), rdma (verbs provider, rdma_cm) or\n"
@@ -316,7 +322,9 @@ const char* const kUsage =
     "  --max-message BYTES  rdma, tcp-provider: largest message accepted (default 65536;\n"
     "                       suffixes k, m, g)\n"
     "  --recv-ring N        tcp: receive through a ring of N kernel-provided buffers per thread\n"
-    "                       (multishot recv; N a power of two; default 0: a buffer per connection)\n";
+    "                       (multishot recv; N a power of two; default 0: a buffer per connection)\n"
+    "  --no-registered-files  tcp: operations name each socket by its fd, not by a slot in the\n"
+    "                       ring's registered-file table (for comparisons)\n";
 
 options parse_options(int argc, char** argv) {
   options o;
@@ -336,6 +344,7 @@ options parse_options(int argc, char** argv) {
                      "--transport", v, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider});
                }},
               {"--bind", [&](std::string_view v) { o.bind = std::string(v); }},
+              {"--no-registered-files", [&] { o.register_files = false; }},
               {"--recv-ring",
                [&](std::string_view v) {
                  o.recv_ring = p.count("--recv-ring", v, 0, 32768);
@@ -416,7 +425,7 @@ int run_socket_server(const options& opts) {
     }
     std::promise<void> done;
     served.push_back(done.get_future());
-    rt.spawn(i, fulfil(serve(i, std::move(*listener), stats[i], opts.recv_ring), std::move(done)));
+    rt.spawn(i, fulfil(serve(i, std::move(*listener), stats[i], opts.recv_ring, opts.register_files), std::move(done)));
   }
 
   std::printf("%s listening on port %u with %zu threads\n", kProg, port, opts.threads);

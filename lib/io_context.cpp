@@ -3,6 +3,7 @@
 #include <shuttle/result.hpp>
 
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -88,7 +89,8 @@ io_context::~io_context() {
     }
   }
   if (current_context == this) current_context = nullptr;
-  io_uring_queue_exit(&ring_);  // cancels what is still in flight
+  if (files_) files_->owner = nullptr;  // sockets still registered only close their fds now
+  io_uring_queue_exit(&ring_);  // cancels what is still in flight; drops the file table
   ::close(wake_fd_);
   while (orphans_) {
     auto* o = orphans_;
@@ -183,6 +185,39 @@ void io_context::arm_wakeup() {
 void io_context::on_wakeup(detail::io_op* op, int, std::uint32_t) noexcept {
   auto* self = reinterpret_cast<io_context*>(reinterpret_cast<char*>(op) - offsetof(io_context, wake_op_));
   self->arm_wakeup();
+}
+
+result<detail::registered_file> io_context::register_file(int fd) {
+  if (fd < 0) return errno_code(EBADF);
+  if (!files_) {
+    rlimit lim{};
+    unsigned size = opts_.registered_files;
+    if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < size) size = static_cast<unsigned>(lim.rlim_cur);
+    if (size == 0) return errno_code(ENFILE);
+    int r = io_uring_register_files_sparse(&ring_, size);
+    if (r < 0) return errno_code(-r);
+    files_ = std::make_shared<detail::file_table>();
+    files_->owner = this;
+    free_slots_.reserve(size);
+    for (unsigned i = size; i-- > 0;) free_slots_.push_back(static_cast<int>(i));  // slot 0 first
+  }
+  if (free_slots_.empty()) return errno_code(ENFILE);
+  int slot = free_slots_.back();
+  int r = io_uring_register_files_update(&ring_, static_cast<unsigned>(slot), &fd, 1);
+  if (r < 0) return errno_code(-r);
+  if (r != 1) return errno_code(EBADF);
+  free_slots_.pop_back();
+  return detail::registered_file{files_, slot};
+}
+
+void io_context::unregister_file(detail::registered_file& f) noexcept {
+  if (f.slot < 0 || !f.table || f.table->owner != this) return;
+  int none = -1;
+  // Fails only if the table is gone, which the owner check rules out.
+  (void)io_uring_register_files_update(&ring_, static_cast<unsigned>(f.slot), &none, 1);
+  free_slots_.push_back(f.slot);
+  f.slot = -1;
+  f.table.reset();
 }
 
 void io_context::adopt_orphan(detail::orphan_op* op) noexcept {

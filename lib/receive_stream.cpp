@@ -86,7 +86,7 @@ struct receive_stream::state : detail::orphan_op, buffer_ring::starved {
   };
   io_context* ctx = nullptr;
   buffer_ring* ring = nullptr;
-  int fd = -1;
+  detail::sqe_file file;  // the socket's slot on ctx's ring, or its fd
   bool armed = false;
   bool closed = false;
   bool finished = false;  // EOF or error delivered by the kernel: never re-arm
@@ -95,8 +95,9 @@ struct receive_stream::state : detail::orphan_op, buffer_ring::starved {
 
   void arm() {
     io_uring_sqe* sqe = ctx->get_sqe();
-    io_uring_prep_recv_multishot(sqe, fd, nullptr, 0, 0);
+    io_uring_prep_recv_multishot(sqe, file.fd, nullptr, 0, 0);
     sqe->flags |= IOSQE_BUFFER_SELECT;
+    file.mark(sqe);
     sqe->buf_group = ring->group();
     io_uring_sqe_set_data(sqe, static_cast<detail::io_op*>(this));
     complete = &on_cqe;
@@ -148,7 +149,7 @@ struct receive_stream::state : detail::orphan_op, buffer_ring::starved {
 receive_stream::receive_stream(tcp_socket& socket, buffer_ring& ring) : s_(new state) {
   s_->ctx = &io_context::current();
   s_->ring = &ring;
-  s_->fd = socket.native_handle();
+  s_->file = socket.file_for(*s_->ctx);
   ring.attach(*s_);
 }
 

@@ -125,12 +125,67 @@ tcp_socket& tcp_socket::operator=(tcp_socket&& o) noexcept {
   if (this != &o) {
     close();
     fd_ = std::exchange(o.fd_, -1);
+    file_ = std::exchange(o.file_, {});
   }
   return *this;
 }
 
+result<void> tcp_socket::register_file() {
+  if (fd_ < 0) return errno_code(EBADF);
+  io_context& ctx = io_context::current();
+  if (file_.slot >= 0) {
+    if (file_.table->owner == &ctx) return {};
+    return errno_code(EBUSY);  // registered with another thread's context
+  }
+  auto r = ctx.register_file(fd_);
+  if (!r) return r.error();
+  file_ = std::move(*r);
+  return {};
+}
+
+namespace {
+struct fd_closer {
+  int fd;
+  ~fd_closer() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+}  // namespace
+
+void tcp_socket::unregister(bool close_fd) noexcept {
+  int fd = std::exchange(fd_, -1);
+  if (file_.slot >= 0) {
+    io_context* owner = file_.table->owner;
+    if (owner && owner->running_in_this_thread()) {
+      owner->unregister_file(file_);
+    } else if (owner) {
+      // Only the ring's own thread can empty its slot (a single-issuer ring,
+      // registered ring fd): its loop does, then closes the fd. Dropped
+      // unrun if the context ends first: the fd is closed then.
+      try {
+        auto closer = std::make_shared<fd_closer>(fd_closer{close_fd ? fd : -1});
+        owner->dispatch([f = file_, closer]() mutable {
+          if (f.table->owner) f.table->owner->unregister_file(f);
+        });
+        file_ = {};
+        return;
+      } catch (...) {
+        // Out of memory: the slot keeps the file open until its context ends.
+      }
+    }
+    file_ = {};
+  }
+  if (close_fd && fd >= 0) ::close(fd);
+}
+
 void tcp_socket::close() noexcept {
-  if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+  if (fd_ >= 0 || file_.slot >= 0) unregister(true);
+}
+
+int tcp_socket::release() noexcept {
+  int fd = fd_;
+  unregister(false);
+  return fd;
 }
 
 task<result<tcp_socket>> tcp_socket::connect(endpoint ep) {

@@ -26,7 +26,9 @@
 
 #include <shuttle/detail/driver.hpp>
 #include <shuttle/detail/io_op.hpp>
+#include <shuttle/detail/registered_file.hpp>
 #include <shuttle/poller.hpp>
+#include <shuttle/result.hpp>
 #include <shuttle/task.hpp>
 
 namespace shuttle {
@@ -44,6 +46,10 @@ class io_context {
     // users that can spare a core (ping-pong over the tcp provider, as UCX
     // and perftest spin) set this. 0: sleep as soon as nothing is ready.
     std::chrono::nanoseconds ring_spin_budget{0};
+    // Slots in the ring's registered-file table, made on the first
+    // register_file() and capped by RLIMIT_NOFILE. 0: none (register_file
+    // fails with ENFILE).
+    unsigned registered_files = 4096;
   };
 
   io_context();
@@ -87,6 +93,14 @@ class io_context {
   // Asks the kernel to cancel the submission whose user_data is `target`.
   void submit_cancel(const detail::io_op* target);
   io_uring* ring() noexcept { return &ring_; }
+
+  // Loop thread only. Puts `fd` in a free slot of the ring's file table
+  // (tcp_socket::register_file uses it); the slot holds a reference to the
+  // file until unregister_file. Errors: ENFILE when the table is full;
+  // the kernel's when it has no sparse tables (before 5.19).
+  result<detail::registered_file> register_file(int fd);
+  // Loop thread only: empties the slot (the file's last reference may go).
+  void unregister_file(detail::registered_file& f) noexcept;
 
   // Keeps `op` until forget_orphan (its last CQE) or the context's end.
   void adopt_orphan(detail::orphan_op* op) noexcept;
@@ -136,6 +150,8 @@ class io_context {
   detail::io_op wake_op_{};
 
   std::vector<poller*> pollers_;
+  std::shared_ptr<detail::file_table> files_;  // made by the first register_file
+  std::vector<int> free_slots_;
   detail::orphan_op* orphans_ = nullptr;
   std::uint64_t sqes_ = 0;
   std::uint64_t sleeps_ = 0;

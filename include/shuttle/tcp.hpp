@@ -62,7 +62,7 @@ class tcp_socket {
  public:
   tcp_socket() noexcept = default;
   explicit tcp_socket(int fd) noexcept : fd_(fd) {}
-  tcp_socket(tcp_socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  tcp_socket(tcp_socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)), file_(std::exchange(o.file_, {})) {}
   tcp_socket& operator=(tcp_socket&& o) noexcept;
   tcp_socket(const tcp_socket&) = delete;
   tcp_socket& operator=(const tcp_socket&) = delete;
@@ -73,20 +73,39 @@ class tcp_socket {
   // Fails with std::errc::timed_out after `timeout`.
   static task<result<tcp_socket>> connect(endpoint ep, std::chrono::nanoseconds timeout);
 
+  // Registers the socket in the calling thread's io_context (its ring's
+  // file table, io_context::options::registered_files slots). Operations
+  // that thread starts then name the slot (IOSQE_FIXED_FILE): the kernel
+  // skips a file lookup and a reference count per operation, about 4% of an
+  // echo server's CPU at 1024 connections. Operations started on other
+  // threads use the fd, as before. Worth it for long-lived connections: it
+  // costs a system call here and another in close(). Fails (and changes
+  // nothing) when the table is full: ENFILE.
+  result<void> register_file();
+  bool is_registered() const noexcept { return file_.slot >= 0; }
+
   // One recv; 0 bytes means the peer closed its side.
   auto read_some(std::span<std::byte> buf) {
-    int fd = fd_;
+    io_context& ctx = io_context::current();
+    detail::sqe_file f = file_.for_ring(ctx, fd_);
     return detail::make_uring_awaitable(
-        io_context::current(),
-        [fd, buf](io_uring_sqe* sqe) { io_uring_prep_recv(sqe, fd, buf.data(), buf.size(), 0); },
+        ctx,
+        [f, buf](io_uring_sqe* sqe) {
+          io_uring_prep_recv(sqe, f.fd, buf.data(), buf.size(), 0);
+          f.mark(sqe);
+        },
         detail::size_convert{});
   }
   // One send (MSG_NOSIGNAL: a dead peer is EPIPE, never SIGPIPE).
   auto write_some(std::span<const std::byte> buf) {
-    int fd = fd_;
+    io_context& ctx = io_context::current();
+    detail::sqe_file f = file_.for_ring(ctx, fd_);
     return detail::make_uring_awaitable(
-        io_context::current(),
-        [fd, buf](io_uring_sqe* sqe) { io_uring_prep_send(sqe, fd, buf.data(), buf.size(), MSG_NOSIGNAL); },
+        ctx,
+        [f, buf](io_uring_sqe* sqe) {
+          io_uring_prep_send(sqe, f.fd, buf.data(), buf.size(), MSG_NOSIGNAL);
+          f.mark(sqe);
+        },
         detail::size_convert{});
   }
   // Scatter/gather; `iov` must stay valid until the operation completes.
@@ -101,10 +120,17 @@ class tcp_socket {
   task<result<void>> writev_all(std::span<const iovec> iov);
 
   result<void> shutdown(int how = SHUT_WR) noexcept;
+  // Closes the fd; a registered socket leaves its slot first (the slot holds
+  // the file open). Off the registering thread, that thread's loop does both
+  // (handed over with io_context::dispatch); after that context ended, the
+  // fd is simply closed.
   void close() noexcept;
   bool is_open() const noexcept { return fd_ >= 0; }
   int native_handle() const noexcept { return fd_; }
-  int release() noexcept { return std::exchange(fd_, -1); }
+  // Gives up the fd (unregistered, as close() does) without closing it.
+  int release() noexcept;
+  // What an SQE prepared on `ctx` names: the slot there, else the fd.
+  detail::sqe_file file_for(const io_context& ctx) const noexcept { return file_.for_ring(ctx, fd_); }
 
   result<void> set_nodelay(bool on) noexcept;
   result<void> set_keepalive(bool on) noexcept;
@@ -117,22 +143,27 @@ class tcp_socket {
 
  private:
   struct msg_prep {
-    int fd;
+    detail::sqe_file file;
     std::uint8_t op;
     unsigned flags;
     msghdr msg;
     void operator()(io_uring_sqe* sqe) {
-      io_uring_prep_rw(op, sqe, fd, &msg, 1, 0);
+      io_uring_prep_rw(op, sqe, file.fd, &msg, 1, 0);
       sqe->msg_flags = flags;
+      file.mark(sqe);
     }
   };
   detail::io_awaitable<msg_prep> msg_op(std::uint8_t op, std::span<const iovec> iov, unsigned flags) {
     msghdr m{};
     m.msg_iov = const_cast<iovec*>(iov.data());
     m.msg_iovlen = iov.size();
-    return {io_context::current(), msg_prep{fd_, op, flags, m}, {}};
+    io_context& ctx = io_context::current();
+    return {ctx, msg_prep{file_for(ctx), op, flags, m}, {}};
   }
+  // Leaves the slot (on its own loop, or through it); then closes the fd if `close_fd`.
+  void unregister(bool close_fd) noexcept;
   int fd_ = -1;
+  detail::registered_file file_;
 };
 
 class tcp_listener {

@@ -25,11 +25,18 @@ TEST_CASE("buffer_ring rejects a count that is not a power of two") {
 }
 
 TEST_CASE("receive_stream: data in order, then EOF") {
+  bool registered = false;
+  SUBCASE("socket named by its fd") {}
+  SUBCASE("socket named by a registered-file slot") { registered = true; }
   io_context ctx;
   buffer_ring ring(ctx, 8, 1024);
   auto l = tcp_listener::bind(endpoint::loopback(0)).value();
   ctx.run([&]() -> task<void> {
     auto p = co_await connected_pair(l);
+    if (registered) {
+      REQUIRE(p.server.register_file().has_value());
+      REQUIRE(p.server.is_registered());
+    }
     std::vector<std::uint8_t> src(100000);
     std::iota(src.begin(), src.end(), 0);
     auto writer = [&]() -> task<void> {

@@ -2,7 +2,10 @@
 
 #include <shuttle/shuttle.hpp>
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <numeric>
@@ -169,6 +172,118 @@ TEST_CASE("tcp: a cancelled read resumes only after the kernel let go of the buf
     auto n = co_await p.server.read_some(buf);
     CHECK(n.value() == 1);
   }());
+}
+
+namespace {
+// What a blocking recv on `fd` sees within 2 s: bytes, 0 at EOF, -errno
+// (EAGAIN: nothing came, the peer's socket is still open).
+ssize_t blocking_recv(int fd) {
+  timeval tv{2, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char b[16];
+  ssize_t n;
+  // EINTR: ring teardown interrupts this thread's blocking calls (task work, no signal).
+  do n = ::recv(fd, b, sizeof b, 0);
+  while (n < 0 && errno == EINTR);
+  return n < 0 ? -errno : n;
+}
+bool fd_is_open(int fd) { return fcntl(fd, F_GETFD) >= 0; }
+}  // namespace
+
+TEST_CASE("tcp: registered sockets carry data both ways; close leaves the slot, so the peer sees EOF") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto p = co_await connected_pair();
+    REQUIRE(p.client.register_file().has_value());
+    REQUIRE(p.server.register_file().has_value());
+    CHECK(p.server.register_file().has_value());  // again on the same context: nothing changes
+    CHECK(p.client.is_registered());
+    CHECK(p.client.file_for(io_context::current()).fixed);
+
+    std::string msg = "registered hello";
+    REQUIRE((co_await p.client.write_all(bytes(msg))).has_value());
+    std::string got(msg.size(), '\0');
+    REQUIRE((co_await p.server.read_exact(std::as_writable_bytes(std::span(got.data(), got.size())))).has_value());
+    CHECK(got == msg);
+    std::string a = "abc", b = "defgh";
+    iovec iov[2] = {{a.data(), a.size()}, {b.data(), b.size()}};
+    REQUIRE((co_await p.server.writev_all(iov)).has_value());
+    std::string back(8, '\0');
+    REQUIRE((co_await p.client.read_exact(std::as_writable_bytes(std::span(back.data(), back.size())))).has_value());
+    CHECK(back == "abcdefgh");
+
+    // The slot holds a reference to the file: without leaving it, close()
+    // would not close the connection and this read would time out.
+    p.client.close();
+    CHECK_FALSE(p.client.is_registered());
+    std::byte buf[8];
+    auto n = co_await with_timeout(
+        [&]() -> task<result<std::size_t>> { co_return co_await p.server.read_some(buf); }(), 2s);
+    REQUIRE(n.has_value());
+    CHECK(*n == 0);
+
+    // release() leaves the slot too and hands over a working fd.
+    int fd = p.server.release();
+    CHECK_FALSE(p.server.is_registered());
+    CHECK(fd_is_open(fd));
+    CHECK(::write(fd, "x", 1) == 1);
+    ::close(fd);
+  }());
+}
+
+TEST_CASE("tcp: a full registered-file table leaves sockets on their fds; a freed slot is reused") {
+  io_context::options opts;
+  opts.registered_files = 1;
+  io_context ctx(opts);
+  ctx.run([]() -> task<void> {
+    auto p = co_await connected_pair();
+    REQUIRE(p.client.register_file().has_value());
+    auto full = p.server.register_file();
+    REQUIRE_FALSE(full.has_value());
+    CHECK(full.error() == std::errc::too_many_files_open_in_system);  // ENFILE
+    CHECK_FALSE(p.server.is_registered());
+    CHECK_FALSE(p.server.file_for(io_context::current()).fixed);
+    REQUIRE((co_await p.server.write_all(bytes("ok"))).has_value());  // by fd
+    std::byte two[2];
+    REQUIRE((co_await p.client.read_exact(two)).has_value());  // by slot
+
+    p.client.close();
+    REQUIRE(p.server.register_file().has_value());  // the slot came back
+    std::byte buf[8];
+    auto n = co_await with_timeout(
+        [&]() -> task<result<std::size_t>> { co_return co_await p.server.read_some(buf); }(), 2s);
+    CHECK(n.value() == 0);
+  }());
+}
+
+TEST_CASE("tcp: a registered socket that outlives its context closes its fd") {
+  pair_of_sockets p;
+  {
+    io_context ctx;
+    p = ctx.run([]() -> task<pair_of_sockets> {
+      auto q = co_await connected_pair();
+      REQUIRE(q.server.register_file().has_value());
+      co_return std::move(q);
+    }());
+  }
+  CHECK(p.server.is_registered());  // its table is gone with the ring
+  int fd = p.server.native_handle();
+  p.server.close();
+  CHECK_FALSE(fd_is_open(fd));
+  CHECK(blocking_recv(p.client.native_handle()) == 0);
+}
+
+TEST_CASE("tcp: closing a registered socket on another thread hands the close to its loop") {
+  runtime rt(1);
+  pair_of_sockets p = rt.block_on(0, []() -> task<pair_of_sockets> {
+    auto q = co_await connected_pair();
+    REQUIRE(q.server.register_file().has_value());
+    co_return std::move(q);
+  }());
+  REQUIRE(p.server.is_registered());
+  p.server.close();  // on this thread: thread 0's loop empties the slot, then closes the fd
+  CHECK_FALSE(p.server.is_registered());
+  CHECK(blocking_recv(p.client.native_handle()) == 0);
 }
 
 TEST_CASE("tcp: 10,000-connection churn without fd growth") {
