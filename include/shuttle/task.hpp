@@ -3,6 +3,13 @@
 // symmetric transfer, so chains of tasks use no stack and no allocation beyond
 // their frames. Exceptions propagate to the awaiter.
 //
+// Symmetric transfer relies on the compiler making the resumption a tail
+// call. Clang 14 does on x86-64 (measured at -O0, and with ASan); GCC (12 measured
+// here; 11 and 13 reported) only when optimizing (-O2) without ASan. In a GCC
+// -O0 or ASan build, a coroutine that awaits very many tasks in a row that
+// complete without suspending (a loop of 10^5-10^6 of them) grows the stack
+// until it overflows; a task that suspends (any I/O) resets the depth.
+//
 // Cancellation: every task carries a std::stop_token inherited from whoever
 // awaits it. I/O operations awaited inside the task observe that token, so
 // request_stop() on a parent's source cancels everything below it.
