@@ -28,6 +28,13 @@ task<pair_of_sockets> connected_pair() {
   }());
   co_return pair_of_sockets{std::move(c).value(), std::move(s).value()};
 }
+
+// Reads exactly want.size() bytes from `s` and checks they are `want`.
+task<void> expect_bytes(tcp_socket& s, std::string want) {
+  std::string got(want.size(), '\0');
+  REQUIRE((co_await s.read_exact(std::as_writable_bytes(std::span(got.data(), got.size())))).has_value());
+  CHECK(got == want);
+}
 }  // namespace
 
 TEST_CASE("endpoint parsing") {
@@ -45,11 +52,8 @@ TEST_CASE("tcp: connect, echo both ways, read_exact, writev") {
   io_context ctx;
   ctx.run([]() -> task<void> {
     auto p = co_await connected_pair();
-    std::string msg = "hello shuttle";
-    REQUIRE((co_await p.client.write_all(bytes(msg))).has_value());
-    std::string got(msg.size(), '\0');
-    REQUIRE((co_await p.server.read_exact(std::as_writable_bytes(std::span(got.data(), got.size())))).has_value());
-    CHECK(got == msg);
+    REQUIRE((co_await p.client.write_all(bytes("hello shuttle"))).has_value());
+    co_await expect_bytes(p.server, "hello shuttle");
 
     std::string a = "abc", b = "defgh";
     iovec iov[2] = {{a.data(), a.size()}, {b.data(), b.size()}};
@@ -200,17 +204,12 @@ TEST_CASE("tcp: registered sockets carry data both ways; close leaves the slot, 
     CHECK(p.client.is_registered());
     CHECK(p.client.file_for(io_context::current()).fixed);
 
-    std::string msg = "registered hello";
-    REQUIRE((co_await p.client.write_all(bytes(msg))).has_value());
-    std::string got(msg.size(), '\0');
-    REQUIRE((co_await p.server.read_exact(std::as_writable_bytes(std::span(got.data(), got.size())))).has_value());
-    CHECK(got == msg);
+    REQUIRE((co_await p.client.write_all(bytes("registered hello"))).has_value());
+    co_await expect_bytes(p.server, "registered hello");
     std::string a = "abc", b = "defgh";
     iovec iov[2] = {{a.data(), a.size()}, {b.data(), b.size()}};
     REQUIRE((co_await p.server.writev_all(iov)).has_value());
-    std::string back(8, '\0');
-    REQUIRE((co_await p.client.read_exact(std::as_writable_bytes(std::span(back.data(), back.size())))).has_value());
-    CHECK(back == "abcdefgh");
+    co_await expect_bytes(p.client, "abcdefgh");
 
     // The slot holds a reference to the file: without leaving it, close()
     // would not close the connection and this read would time out.
