@@ -235,9 +235,17 @@ Awaitable echo_then_errors(socket_pair& p, Token tok) {
 }
 
 TEST_CASE("use_awaitable on shuttle's executor: TCP echo, redirect_error, exceptions") {
+  bool registered = false;
+  SUBCASE("sockets named by their fds") {}
+  SUBCASE("sockets named by registered-file slots") { registered = true; }
   shuttle::io_context loop;
   sa::context actx(loop);
   auto p = loop.run(connected_pair());
+  if (registered) {
+    // The client's close() inside must leave its slot, or the server's read never sees EOF.
+    REQUIRE(p.client.register_file().has_value());
+    REQUIRE(p.server.register_file().has_value());
+  }
   auto [done, failure] = spawn_and_run(loop, actx, echo_then_errors<net::awaitable<void>>(p, net::use_awaitable));
   CHECK(done);
   CHECK_FALSE(failure);

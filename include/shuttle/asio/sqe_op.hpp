@@ -51,7 +51,7 @@ namespace shuttle::asio::detail {
 
 // ---------------------------------------------------------------- submissions
 // Each mirrors the native operation's SQE and result conversion (tcp.hpp,
-// timer.hpp): prep(sqe) fills the submission (the object lives in the
+// timer.hpp): prep(sqe, loop) fills the submission (the object lives in the
 // operation until its CQE), args(res) makes the handler's arguments.
 
 inline std::tuple<boost::system::error_code, std::size_t> size_args(int res) {
@@ -64,7 +64,11 @@ struct recv_sqe {
   using signature = void(boost::system::error_code, std::size_t);
   tcp_socket* s;  // read when the operation starts (a deferred token starts it later)
   std::span<std::byte> buf;
-  void prep(io_uring_sqe* sqe) noexcept { io_uring_prep_recv(sqe, s->native_handle(), buf.data(), buf.size(), 0); }
+  void prep(io_uring_sqe* sqe, const shuttle::io_context& loop) noexcept {
+    auto f = s->file_for(loop);  // a registered socket by its slot
+    io_uring_prep_recv(sqe, f.fd, buf.data(), buf.size(), 0);
+    f.mark(sqe);
+  }
   static std::tuple<boost::system::error_code, std::size_t> args(int res) { return size_args(res); }
   auto native() const { return s->read_some(buf); }
 };
@@ -73,8 +77,10 @@ struct send_sqe {
   using signature = void(boost::system::error_code, std::size_t);
   tcp_socket* s;
   std::span<const std::byte> buf;
-  void prep(io_uring_sqe* sqe) noexcept {
-    io_uring_prep_send(sqe, s->native_handle(), buf.data(), buf.size(), MSG_NOSIGNAL);
+  void prep(io_uring_sqe* sqe, const shuttle::io_context& loop) noexcept {
+    auto f = s->file_for(loop);
+    io_uring_prep_send(sqe, f.fd, buf.data(), buf.size(), MSG_NOSIGNAL);
+    f.mark(sqe);
   }
   static std::tuple<boost::system::error_code, std::size_t> args(int res) { return size_args(res); }
   auto native() const { return s->write_some(buf); }
@@ -85,7 +91,9 @@ struct timeout_sqe {
   clock::time_point deadline;
   __kernel_timespec ts;  // the kernel reads it when the SQE is submitted: it lives in the operation
   explicit timeout_sqe(clock::time_point d) noexcept : deadline(d), ts(shuttle::detail::to_timespec(d)) {}
-  void prep(io_uring_sqe* sqe) noexcept { io_uring_prep_timeout(sqe, &ts, 0, IORING_TIMEOUT_ABS); }
+  void prep(io_uring_sqe* sqe, const shuttle::io_context&) noexcept {
+    io_uring_prep_timeout(sqe, &ts, 0, IORING_TIMEOUT_ABS);
+  }
   static std::tuple<boost::system::error_code> args(int res) {
     if (res == -ETIME || res == 0) return {boost::system::error_code{}};
     return {to_boost(shuttle::errno_code(-res))};
@@ -181,7 +189,7 @@ struct sqe_op final : shuttle::detail::io_op, std::conditional_t<Slotted, sqe_ca
       return;
     }
     this->complete = &on_complete;
-    sqe.prep(s);
+    sqe.prep(s, *loop);
     io_uring_sqe_set_data(s, static_cast<shuttle::detail::io_op*>(this));
   }
 };
