@@ -154,32 +154,29 @@ struct fd_closer {
 
 void tcp_socket::unregister(bool close_fd) noexcept {
   int fd = std::exchange(fd_, -1);
-  if (file_.slot >= 0) {
-    io_context* owner = file_.table->owner;
-    if (owner && owner->running_in_this_thread()) {
-      owner->unregister_file(file_);
-    } else if (owner) {
-      // Only the ring's own thread can empty its slot (a single-issuer ring,
-      // registered ring fd): its loop does, then closes the fd. Dropped
-      // unrun if the context ends first: the fd is closed then.
-      try {
-        auto closer = std::make_shared<fd_closer>(fd_closer{close_fd ? fd : -1});
-        owner->dispatch([f = file_, closer]() mutable {
-          if (f.table->owner) f.table->owner->unregister_file(f);
-        });
-        file_ = {};
-        return;
-      } catch (...) {
-        // Out of memory: the slot keeps the file open until its context ends.
-      }
+  detail::registered_file f = std::exchange(file_, {});
+  io_context* owner = f.slot >= 0 ? f.table->owner : nullptr;
+  if (owner && owner->running_in_this_thread()) {
+    owner->unregister_file(f);
+  } else if (owner) {
+    // Only the ring's own thread can empty its slot (a single-issuer ring,
+    // registered ring fd): its loop does, then closes the fd. Dropped
+    // unrun if the context ends first: the fd is closed then.
+    try {
+      auto closer = std::make_shared<fd_closer>(fd_closer{close_fd ? fd : -1});
+      owner->dispatch([f, closer]() mutable {
+        if (f.table->owner) f.table->owner->unregister_file(f);
+      });
+      return;
+    } catch (...) {
+      // Out of memory: the slot keeps the file open until its context ends.
     }
-    file_ = {};
   }
   if (close_fd && fd >= 0) ::close(fd);
 }
 
 void tcp_socket::close() noexcept {
-  if (fd_ >= 0 || file_.slot >= 0) unregister(true);
+  if (fd_ >= 0) unregister(true);
 }
 
 int tcp_socket::release() noexcept {

@@ -14,11 +14,14 @@ bash tools/install-deps.sh
 jobs=$(nproc)
 status=0
 
-configure() {  # dir, then meson options
+setup() {  # dir, then meson options: configures (or reconfigures) without building
   local dir=$1; shift
   if [ -d "$dir" ]; then meson setup --reconfigure "$dir" "$@" >/dev/null
   else meson setup "$dir" "$@" >/dev/null; fi
-  ninja -C "$dir" -j "$jobs"
+}
+configure() {  # dir, then meson options: configures and builds everything
+  setup "$@"
+  ninja -C "$1" -j "$jobs"
 }
 run_suites() {  # dir, then meson test options
   local dir=$1; shift
@@ -45,9 +48,8 @@ run_suites build-asan --no-suite fuzz
 # ASan+UBSan, and only the asio suite runs; the forms 1.74 lacks (slots,
 # deferred, as_tuple, ||, &&) run here and are SKIP in the builds above.
 if boost181=$(bash tools/boost-alt.sh 1.81); then
-  if [ -d build-asio181 ]; then meson setup --reconfigure build-asio181 --native-file "$boost181" >/dev/null
-  else meson setup build-asio181 --native-file "$boost181" --buildtype=debug \
-         -Db_sanitize=address,undefined -Db_lundef=false -Dbench=false >/dev/null; fi
+  setup build-asio181 --native-file "$boost181" --buildtype=debug -Db_sanitize=address,undefined -Db_lundef=false \
+    -Dbench=false
   ninja -C build-asio181 -j "$jobs" tests/asio/test_asio_tokens tests/asio/test_asio_pipeline
   run_suites build-asio181 --no-rebuild --suite asio
 else
@@ -56,15 +58,12 @@ else
 fi
 
 # The frame fuzzer (clang libFuzzer), a bounded 60 s run; only its target is built.
-if [ -d build-fuzz ]; then CC=clang CXX=clang++ meson setup --reconfigure build-fuzz -Dbench=false >/dev/null
-else CC=clang CXX=clang++ meson setup build-fuzz -Dbench=false >/dev/null; fi
+CC=clang CXX=clang++ setup build-fuzz -Dbench=false
 ninja -C build-fuzz tests/transport/fuzz_frame
 run_suites build-fuzz --no-rebuild --suite fuzz
 
 # TSan: only the targets of the multi-threaded suite are built.
-if [ -d build-tsan ]; then CC=clang CXX=clang++ meson setup --reconfigure build-tsan >/dev/null
-else CC=clang CXX=clang++ meson setup build-tsan --buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false \
-       -Dbench=false >/dev/null; fi
+CC=clang CXX=clang++ setup build-tsan --buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dbench=false
 ninja -C build-tsan -j "$jobs" tests/test_runtime tests/asio/test_asio_tokens
 TSAN_OPTIONS=halt_on_error=1 run_suites build-tsan --no-rebuild --suite threads
 

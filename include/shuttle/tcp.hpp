@@ -87,7 +87,7 @@ class tcp_socket {
   // One recv; 0 bytes means the peer closed its side.
   auto read_some(std::span<std::byte> buf) {
     io_context& ctx = io_context::current();
-    detail::sqe_file f = file_.for_ring(ctx, fd_);
+    detail::sqe_file f = file_for(ctx);
     return detail::make_uring_awaitable(
         ctx,
         [f, buf](io_uring_sqe* sqe) {
@@ -99,7 +99,7 @@ class tcp_socket {
   // One send (MSG_NOSIGNAL: a dead peer is EPIPE, never SIGPIPE).
   auto write_some(std::span<const std::byte> buf) {
     io_context& ctx = io_context::current();
-    detail::sqe_file f = file_.for_ring(ctx, fd_);
+    detail::sqe_file f = file_for(ctx);
     return detail::make_uring_awaitable(
         ctx,
         [f, buf](io_uring_sqe* sqe) {
