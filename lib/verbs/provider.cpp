@@ -294,6 +294,14 @@ struct core final : poller, std::enable_shared_from_this<core> {
   std::map<std::uint32_t, conn_state*> srq_conns;  // qp_num -> connection
   std::size_t rx_waiters = 0;  // recv() calls waiting: a reason to keep busy-polling
 
+  // Receive buffers whose messages were released, posted again at the next
+  // poll (one ibv_post_recv per connection for all of them): a released
+  // message costs no post on the latency path between a receive and the
+  // send that answers it. Credits go back only for posted buffers.
+  std::vector<conn_state*> repost_conns;  // connections with released buffers
+  std::vector<recv_slot*> srq_released;   // SRQ buffers released
+  void flush_reposts() noexcept;
+
   ~core() override {
     if (loop) loop->remove_poller(*this);
     if (cq_watch) cq_watch->destroy();
@@ -341,6 +349,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // guest, runs far less code per look).
   bool poll() override {
     inline_polls = 0;
+    if (!repost_conns.empty() || !srq_released.empty()) flush_reposts();
     for (int i = 0; i < empty_polls_per_turn; ++i)
       if (poll_cq()) return true;
     return false;
@@ -360,6 +369,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   unsigned inline_polls = 0;
   bool poll_cq();
   bool try_enter_interrupt_mode() override {
+    if (!repost_conns.empty() || !srq_released.empty()) flush_reposts();  // never sleep on unposted buffers
     if (inflight > 0 || rx_waiters > 0) {
       const std::int64_t now = detail::spin_clock::now_ns();
       if (wc_seen != wc_stamped || now < last_wc) {
@@ -392,7 +402,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
     if (int e = ibv_post_srq_recv(srq, &wr, &bad)) return errno_code(e);
     return {};
   }
-  void on_srq_release(recv_slot& slot) noexcept;
+  void on_srq_release(recv_slot& slot) noexcept { srq_released.push_back(&slot); }
 
   result<std::shared_ptr<verbs_region>> reg(std::span<std::byte> mem, unsigned flags) {
     unsigned a = normalize(flags);
@@ -553,6 +563,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   std::uint32_t peer_slots = 0, peer_buffer = 0, max_inline = 0;
   std::uint32_t to_return = 0, ctrl_inflight = 0;
+  std::vector<recv_slot*> released;  // own receive queue: buffers to post again (core::flush_reposts)
+  bool in_repost_list = false;
   struct ctrl_ctx : wr_ctx {
     conn_state* c = nullptr;
   } ctrl;
@@ -781,6 +793,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   void reap() noexcept {
     if (reaped) return;
     reaped = true;
+    if (in_repost_list) {
+      auto& l = dom->repost_conns;
+      l.erase(std::remove(l.begin(), l.end(), this), l.end());
+      in_repost_list = false;
+    }
     if (cm_watch) std::exchange(cm_watch, nullptr)->destroy();
     if (qp) rdma_destroy_qp(id);
     qp = nullptr;
@@ -879,8 +896,38 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   void on_message_released(recv_slot& slot) {
     if (!usable()) return;
-    if (!post_recv(slot)) return;
-    ++to_return;
+    released.push_back(&slot);
+    if (!in_repost_list) {
+      in_repost_list = true;
+      dom->repost_conns.push_back(this);
+    }
+  }
+  // Posts the released buffers as one chain; each posted one is a credit.
+  void post_released() noexcept {
+    std::size_t done = 0;
+    while (usable() && done < released.size()) {
+      constexpr std::size_t chunk = 32;
+      ibv_sge sge[chunk];
+      ibv_recv_wr wr[chunk];
+      const std::size_t n = std::min(chunk, released.size() - done);
+      for (std::size_t i = 0; i < n; ++i) {
+        recv_slot& sl = *released[done + i];
+        sge[i] = {reinterpret_cast<std::uintptr_t>(sl.addr), static_cast<std::uint32_t>(pool->slot_size), sl.lkey};
+        wr[i] = {};
+        wr[i].wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&sl));
+        wr[i].sg_list = &sge[i];
+        wr[i].num_sge = 1;
+        wr[i].next = i + 1 < n ? &wr[i + 1] : nullptr;
+      }
+      ibv_recv_wr* bad = nullptr;
+      const int e = ibv_post_recv(qp, wr, &bad);
+      const std::size_t posted = e == 0 ? n : static_cast<std::size_t>(bad - wr);
+      outstanding += posted;
+      to_return += static_cast<std::uint32_t>(posted);
+      done += n;
+      if (e != 0) break;  // as a failed single post: that buffer is not posted, its credit not returned
+    }
+    released.clear();
     maybe_send_credits();
   }
   // SRQ: the buffer went back to the SRQ; the credit goes to this connection.
@@ -1260,10 +1307,26 @@ void recv_pool::release(void* owner, std::uint64_t slot) noexcept {
   p->unref();
 }
 
-void core::on_srq_release(recv_slot& s) noexcept {
-  if (!post_srq(s)) return;
-  auto it = srq_conns.find(s.qp_num);
-  if (it != srq_conns.end()) it->second->on_srq_credit();
+void core::flush_reposts() noexcept {
+  // Swapped out first: maybe_send_credits may complete work that releases more.
+  std::vector<conn_state*> conns;
+  conns.swap(repost_conns);
+  for (conn_state* c : conns) {
+    c->in_repost_list = false;
+    c->post_released();
+  }
+  conns.clear();
+  if (repost_conns.empty()) repost_conns.swap(conns);  // keep the capacity
+  if (srq_released.empty()) return;
+  std::vector<recv_slot*> slots;
+  slots.swap(srq_released);
+  for (recv_slot* s : slots) {
+    if (!post_srq(*s)) continue;
+    auto it = srq_conns.find(s->qp_num);
+    if (it != srq_conns.end()) it->second->on_srq_credit();
+  }
+  slots.clear();
+  if (srq_released.empty()) srq_released.swap(slots);
 }
 
 result<void> core::srq_join(std::uint32_t grant, std::size_t slot_size) {

@@ -279,6 +279,53 @@ TEST_CASE("receive credits: a burst far beyond the posted receives, slow consume
   }());
 }
 
+// Released buffers are posted again at the loop's next poll, not inside
+// message::reset (see core::flush_reposts): a connection that goes away in
+// between must be left alone (ASan would see it touched).
+TEST_CASE("released receive buffers: reposted later; a connection destroyed before the repost") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    connection_options opts;
+    opts.receive_buffers = 2;
+    opts.receive_buffer_size = 256;
+    for (int round = 0; round < 3; ++round) {
+      pair_t p;
+      co_await make_pair(sd, cd, p, opts);
+      std::array<std::byte, 64> b{};
+      b[0] = std::byte{7};
+      // Four rounds of the two-buffer window: each needs the previous
+      // round's buffers posted again and their credits back.
+      for (int i = 0; i < 8; ++i) {
+        auto [s, m] = co_await when_all(p.client.send(b), p.server.recv());
+        REQUIRE(s);
+        REQUIRE(m);
+        CHECK(m->data()[0] == std::byte{7});
+      }
+      REQUIRE(co_await p.client.send(b));
+      REQUIRE(co_await p.client.send(b));
+      auto m1 = co_await p.server.recv();
+      auto m2 = co_await p.server.recv();
+      REQUIRE(m1);
+      REQUIRE(m2);
+      m1->reset();  // queued for repost
+      if (round == 0) p.server = connection{};  // gone before the loop polls
+      if (round == 1) (void)co_await p.server.close();
+      m2->reset();  // released after its connection went away (round 0, 1)
+      (void)co_await sleep_for(10ms);
+      if (round == 2) {
+        // Both buffers are back: two more messages arrive.
+        REQUIRE(co_await p.client.send(b));
+        REQUIRE(co_await p.client.send(b));
+        CHECK(co_await p.server.recv());
+        CHECK(co_await p.server.recv());
+        (void)co_await p.server.close();
+      }
+      (void)co_await p.client.close();
+    }
+  }());
+}
+
 TEST_CASE("64 QPs share one CQ per domain; pipelined operations on all") {
   io_context ctx;
   ctx.run([]() -> task<void> {
