@@ -99,7 +99,9 @@ class memory_region {
 };
 
 // A received message. Its buffer belongs to the connection's receive pool
-// and is posted again when the message is destroyed.
+// and goes back to it when the message is destroyed (verbs: posted again at
+// the loop's next poll, with the other buffers released since, in one
+// ibv_post_recv; its credit goes back to the peer once it is posted).
 class message {
  public:
   using release_fn = void (*)(void* owner, std::uint64_t slot) noexcept;
