@@ -18,8 +18,15 @@ void throw_errno(int e, const std::string& what) {
   throw std::system_error(errno_code(e), what);
 }
 
+namespace detail {
+constinit thread_local io_context* current_context = nullptr;
+void throw_no_current_context() {
+  throw std::logic_error("shuttle: no io_context on this thread (create one, or run inside a runtime)");
+}
+}  // namespace detail
+using detail::current_context;
+
 namespace {
-thread_local io_context* current_context = nullptr;
 
 // Tries the fastest ring set-up first and falls back for older kernels:
 // DEFER_TASKRUN (6.1) runs completion work only when this thread enters the
@@ -99,17 +106,6 @@ io_context::~io_context() {
   }
 }
 
-io_context& io_context::current() {
-  if (!current_context)
-    throw std::logic_error("shuttle: no io_context on this thread (create one, or run inside a runtime)");
-  return *current_context;
-}
-
-io_context* io_context::current_or_null() noexcept { return current_context; }
-
-bool io_context::running_in_this_thread() const noexcept {
-  return std::this_thread::get_id() == thread_;
-}
 
 io_uring_sqe* io_context::get_sqe() {
   io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
@@ -129,7 +125,6 @@ void io_context::submit_cancel(const detail::io_op* target) {
   io_uring_sqe_set_data64(sqe, 0);  // its own completion is ignored
 }
 
-void io_context::post(std::coroutine_handle<> h) { ready_.push_back(h); }
 
 // The first post into an empty queue writes the eventfd, whether the loop
 // sleeps or not: that keeps the loop's own path free of fences (no "I am

@@ -80,13 +80,13 @@ class io_context {
   schedule_awaitable schedule() noexcept;
 
   // Loop thread only: resume `h` on a later turn of the loop.
-  void post(std::coroutine_handle<> h);
+  void post(std::coroutine_handle<> h) { ready_.push_back(h); }
   // Any thread: run a callable on the loop (allocates).
   void dispatch(std::function<void()> fn);
   // Any thread: queue an intrusive remote operation.
   void post_remote(detail::remote_op* op) noexcept;
 
-  bool running_in_this_thread() const noexcept;
+  bool running_in_this_thread() const noexcept { return std::this_thread::get_id() == thread_; }
 
   // For operations: a free SQE (flushes the ring when the SQ is full).
   io_uring_sqe* get_sqe();
@@ -181,6 +181,19 @@ class io_context::schedule_awaitable : private detail::remote_op {
   io_context& ctx_;
   std::coroutine_handle<> waiter_{};
 };
+
+namespace detail {
+// The context of this thread (io_context.cpp). Inline accessors: every wait
+// on a loop-local primitive reads it.
+extern constinit thread_local io_context* current_context;
+[[noreturn]] void throw_no_current_context();
+}  // namespace detail
+
+inline io_context& io_context::current() {
+  if (io_context* c = detail::current_context) return *c;
+  detail::throw_no_current_context();
+}
+inline io_context* io_context::current_or_null() noexcept { return detail::current_context; }
 
 inline io_context::schedule_awaitable io_context::schedule() noexcept {
   return schedule_awaitable{*this};
