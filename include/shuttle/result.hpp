@@ -12,6 +12,24 @@
 
 namespace shuttle {
 
+namespace detail {
+// An error_code as stored in a result: a null category means "no error", so
+// that a successful result is built and tested without touching
+// std::system_category() (a call into libstdc++ per default error_code,
+// several per operation on the hot paths).
+class stored_error {
+ public:
+  stored_error() noexcept = default;
+  stored_error(std::error_code ec) noexcept : value_(ec.value()), category_(ec ? &ec.category() : nullptr) {}
+  explicit operator bool() const noexcept { return category_ != nullptr; }
+  std::error_code get() const noexcept { return category_ ? std::error_code(value_, *category_) : std::error_code(); }
+
+ private:
+  int value_ = 0;
+  const std::error_category* category_ = nullptr;
+};
+}  // namespace detail
+
 template <class T>
 class [[nodiscard]] result {
   static_assert(!std::is_reference_v<T>, "result<T&> is not supported");
@@ -25,7 +43,7 @@ class [[nodiscard]] result {
 
   bool has_value() const noexcept { return !error_; }
   explicit operator bool() const noexcept { return has_value(); }
-  const std::error_code& error() const noexcept { return error_; }
+  std::error_code error() const noexcept { return error_.get(); }
 
   T& value() & { check(); return *value_; }
   const T& value() const& { check(); return *value_; }
@@ -37,10 +55,10 @@ class [[nodiscard]] result {
 
  private:
   void check() const {
-    if (error_) throw std::system_error(error_);
+    if (error_) throw std::system_error(error_.get());
   }
   std::optional<T> value_{};
-  std::error_code error_{};
+  detail::stored_error error_{};
 };
 
 template <>
@@ -50,13 +68,13 @@ class [[nodiscard]] result<void> {
   result(std::error_code ec) : error_(ec) {}  // NOLINT: implicit by design
   bool has_value() const noexcept { return !error_; }
   explicit operator bool() const noexcept { return has_value(); }
-  const std::error_code& error() const noexcept { return error_; }
+  std::error_code error() const noexcept { return error_.get(); }
   void value() const {
-    if (error_) throw std::system_error(error_);
+    if (error_) throw std::system_error(error_.get());
   }
 
  private:
-  std::error_code error_{};
+  detail::stored_error error_{};
 };
 
 // errno value -> error_code in the system category.
