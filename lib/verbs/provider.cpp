@@ -793,7 +793,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   void reap() noexcept {
     if (reaped) return;
     reaped = true;
-    if (in_repost_list) {
+    if (in_repost_list) {  // freed before the next poll (a graveyard reap dropped on the next turn)
       auto& l = dom->repost_conns;
       l.erase(std::remove(l.begin(), l.end(), this), l.end());
       in_repost_list = false;
