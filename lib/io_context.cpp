@@ -18,15 +18,8 @@ void throw_errno(int e, const std::string& what) {
   throw std::system_error(errno_code(e), what);
 }
 
-namespace detail {
-constinit thread_local io_context* current_context = nullptr;
-void throw_no_current_context() {
-  throw std::logic_error("shuttle: no io_context on this thread (create one, or run inside a runtime)");
-}
-}  // namespace detail
-using detail::current_context;
-
 namespace {
+thread_local io_context* current_context = nullptr;
 
 // Tries the fastest ring set-up first and falls back for older kernels:
 // DEFER_TASKRUN (6.1) runs completion work only when this thread enters the
@@ -106,6 +99,18 @@ io_context::~io_context() {
   }
 }
 
+
+io_context& io_context::current() {
+  if (!current_context)
+    throw std::logic_error("shuttle: no io_context on this thread (create one, or run inside a runtime)");
+  return *current_context;
+}
+
+io_context* io_context::current_or_null() noexcept { return current_context; }
+
+bool io_context::running_in_this_thread() const noexcept {
+  return std::this_thread::get_id() == thread_;
+}
 
 io_uring_sqe* io_context::get_sqe() {
   io_uring_sqe* sqe = io_uring_get_sqe(&ring_);

@@ -59,6 +59,8 @@ class io_context {
   io_context& operator=(const io_context&) = delete;
 
   // The context of the calling thread (one per thread). Throws if none.
+  // Out of line, like running_in_this_thread: a thread_local read inlined
+  // into a coroutine may be reused across a hop to another thread.
   static io_context& current();
   static io_context* current_or_null() noexcept;
 
@@ -86,7 +88,10 @@ class io_context {
   // Any thread: queue an intrusive remote operation.
   void post_remote(detail::remote_op* op) noexcept;
 
-  bool running_in_this_thread() const noexcept { return std::this_thread::get_id() == thread_; }
+  // Out of line on purpose: pthread_self() is declared const, so a compiler may
+  // reuse one thread identity across a coroutine's suspension points, and a
+  // coroutine that hops threads would see the old one (clang 14 does).
+  bool running_in_this_thread() const noexcept;
 
   // For operations: a free SQE (flushes the ring when the SQ is full).
   io_uring_sqe* get_sqe();
@@ -181,19 +186,6 @@ class io_context::schedule_awaitable : private detail::remote_op {
   io_context& ctx_;
   std::coroutine_handle<> waiter_{};
 };
-
-namespace detail {
-// The context of this thread (io_context.cpp). Inline accessors: every wait
-// on a loop-local primitive reads it.
-extern constinit thread_local io_context* current_context;
-[[noreturn]] void throw_no_current_context();
-}  // namespace detail
-
-inline io_context& io_context::current() {
-  if (io_context* c = detail::current_context) return *c;
-  detail::throw_no_current_context();
-}
-inline io_context* io_context::current_or_null() noexcept { return detail::current_context; }
 
 inline io_context::schedule_awaitable io_context::schedule() noexcept {
   return schedule_awaitable{*this};
