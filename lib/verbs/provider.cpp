@@ -249,6 +249,15 @@ struct recv_pool {
   static void release(void* owner, std::uint64_t slot) noexcept;
 };
 
+// The receive work request of a slot: its whole buffer, wr_id naming the slot.
+void fill_recv_wr(recv_slot& s, ibv_recv_wr& wr, ibv_sge& sge) noexcept {
+  sge = {reinterpret_cast<std::uintptr_t>(s.addr), static_cast<std::uint32_t>(s.pool->slot_size), s.lkey};
+  wr = {};
+  wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&s));
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+}
+
 // ------------------------------------------------------------------ core
 
 struct core final : poller, std::enable_shared_from_this<core> {
@@ -390,14 +399,9 @@ struct core final : poller, std::enable_shared_from_this<core> {
   result<void> srq_join(std::uint32_t grant, std::size_t slot_size);
   void srq_leave(std::uint32_t grant) noexcept { srq_granted -= grant; }
   result<void> post_srq(recv_slot& s) noexcept {
-    ibv_sge sge{};
-    sge.addr = reinterpret_cast<std::uintptr_t>(s.addr);
-    sge.length = static_cast<std::uint32_t>(srq_pool->slot_size);
-    sge.lkey = s.lkey;
-    ibv_recv_wr wr{};
-    wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&s));
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
+    ibv_sge sge;
+    ibv_recv_wr wr;
+    fill_recv_wr(s, wr, sge);
     ibv_recv_wr* bad = nullptr;
     if (int e = ibv_post_srq_recv(srq, &wr, &bad)) return errno_code(e);
     return {};
@@ -704,14 +708,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   result<void> repost(recv_slot& s) { return s.pool->srq_core ? s.pool->srq_core->post_srq(s) : post_recv(s); }
 
   result<void> post_recv(recv_slot& s) {
-    ibv_sge sge{};
-    sge.addr = reinterpret_cast<std::uintptr_t>(s.addr);
-    sge.length = static_cast<std::uint32_t>(pool->slot_size);
-    sge.lkey = s.lkey;
-    ibv_recv_wr wr{};
-    wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&s));
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
+    ibv_sge sge;
+    ibv_recv_wr wr;
+    fill_recv_wr(s, wr, sge);
     ibv_recv_wr* bad = nullptr;
     if (int e = ibv_post_recv(qp, &wr, &bad)) return errno_code(e);
     ++outstanding;
@@ -911,12 +910,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       ibv_recv_wr wr[chunk];
       const std::size_t n = std::min(chunk, released.size() - done);
       for (std::size_t i = 0; i < n; ++i) {
-        recv_slot& sl = *released[done + i];
-        sge[i] = {reinterpret_cast<std::uintptr_t>(sl.addr), static_cast<std::uint32_t>(pool->slot_size), sl.lkey};
-        wr[i] = {};
-        wr[i].wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&sl));
-        wr[i].sg_list = &sge[i];
-        wr[i].num_sge = 1;
+        fill_recv_wr(*released[done + i], wr[i], sge[i]);
         wr[i].next = i + 1 < n ? &wr[i + 1] : nullptr;
       }
       ibv_recv_wr* bad = nullptr;
