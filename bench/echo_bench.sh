@@ -14,7 +14,11 @@
 #   cpu_ratio    Asio srv_us/req / shuttle srv_us/req: how much more work
 #                the same requests cost the Asio server;
 #   cli_us/req   the client's CPU time per request (its own getrusage over
-#                the load), with each server.
+#                the load), with each server;
+#   paired       the median of the REPS per-repetition req/s ratios (the two
+#                runs of a repetition are adjacent in time, so a slow phase
+#                of the machine tends to hit both), with a bootstrap 90%
+#                interval of that median: where it is wide, more REPS help.
 # Server and client share this machine's cores. When they keep every core
 # busy, req/s = cores / (cli_us + srv_us), so the req/s ratio is
 # (cli_a + srv_a) / (cli_s + srv_s): a client that costs as much as the
@@ -77,8 +81,8 @@ median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1
 echo "echo_bench: $sthreads server thread(s), $cthreads client thread(s), ${duration}s x $reps per server and point," \
   "shuttle server args '${shuttle_args}', client args '${client_args}'," \
   "cpus server '${SERVER_CPUS:-any}' client '${CLIENT_CPUS:-any}', $(nproc) cpus, load $(cut -d' ' -f1 /proc/loadavg)"
-printf "%-6s %-6s %12s %10s %8s %10s %12s %10s %8s %10s %7s %9s\n" conns size shuttle_req/s srv_us/req p99_us cli_us/req \
-  asio_req/s srv_us/req p99_us cli_us/req ratio cpu_ratio
+printf "%-6s %-6s %12s %10s %8s %10s %12s %10s %8s %10s %7s %9s %7s %13s\n" conns size shuttle_req/s srv_us/req p99_us cli_us/req \
+  asio_req/s srv_us/req p99_us cli_us/req ratio cpu_ratio paired "90% CI"
 for size in ${SIZES:-64 4096}; do
   for conns in ${CONNS:-1 64 1024}; do
     s_rps=() s_cpu=() s_p99=() s_cli=() a_rps=() a_cpu=() a_p99=() a_cli=()
@@ -96,7 +100,16 @@ for size in ${SIZES:-64 4096}; do
     done
     sr=$(median "${s_rps[@]}") sc=$(median "${s_cpu[@]}") sp=$(median "${s_p99[@]}") sk=$(median "${s_cli[@]}")
     ar=$(median "${a_rps[@]}") ac=$(median "${a_cpu[@]}") ap=$(median "${a_p99[@]}") ak=$(median "${a_cli[@]}")
-    printf "%-6s %-6s %12s %10s %8s %10s %12s %10s %8s %10s %7s %9s\n" "$conns" "$size" "$sr" "$sc" "$sp" "$sk" "$ar" "$ac" "$ap" "$ak" \
-      "$(python3 -c "print('%.3f' % ($sr / $ar))")" "$(python3 -c "print('%.3f' % ($ac / $sc))")"
+    paired=$(python3 - "${s_rps[*]}" "${a_rps[*]}" <<'PY'
+import random, statistics, sys
+r = [float(s) / float(a) for s, a in zip(sys.argv[1].split(), sys.argv[2].split()) if float(a) > 0]
+rng = random.Random(1)
+m = sorted(statistics.median(rng.choices(r, k=len(r))) for _ in range(2000))
+print("%.3f %.3f %.3f" % (statistics.median(r), m[100], m[1899]))
+PY
+)
+    read -r pr pl ph <<<"$paired"
+    printf "%-6s %-6s %12s %10s %8s %10s %12s %10s %8s %10s %7s %9s %7s %13s\n" "$conns" "$size" "$sr" "$sc" "$sp" "$sk" "$ar" "$ac" "$ap" "$ak" \
+      "$(python3 -c "print('%.3f' % ($sr / $ar))")" "$(python3 -c "print('%.3f' % ($ac / $sc))")" "$pr" "$pl-$ph"
   done
 done

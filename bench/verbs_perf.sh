@@ -78,7 +78,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
   }
 
   reps=${REPS:-3}
-  printf "%-9s %-7s %-6s %12s %12s %8s %15s %8s %s\n" test bytes metric shuttle perftest ratio "(ratio range)" target verdict
+  printf "%-9s %-7s %-6s %12s %12s %8s %15s %13s %8s %s\n" test bytes metric shuttle perftest ratio "(ratio range)" "90% CI" target verdict
   flip=0
   median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
   # One row: REPS pairs of runs (the order alternating), each pair's
@@ -86,7 +86,9 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
   # of the pair ratios (the verdict) and their range. A TCG guest on a
   # shared host runs at times at half speed for seconds: a pair falls in one
   # such phase or out of it as a whole more often than its two runs
-  # separately would.
+  # separately would. The 90% CI is a bootstrap interval of that median
+  # (2000 resamples of the pair ratios): where it spans the target, these
+  # REPS pairs cannot tell a hit from a miss; more pairs can.
   row() {  # name size metric "shuttle-args" "perftest-args" target op
     local name=$1 size=$2 metric=$3 sargs=$4 pargs=$5 target=$6 op=$7 s p
     local svals=() pvals=() rvals=() smins=() pmins=()
@@ -101,14 +103,29 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
       svals+=("$s") pvals+=("$p")
       rvals+=("$(python3 -c "import math; s,p=float('$s'),float('$p'); print('nan' if not math.isfinite(s) or not math.isfinite(p) or p==0 else '%.3f' % (s/p))")")
     done
-    local r v sm pm lo hi
+    local r v sm pm lo hi ci cl ch
     sm=$(median "${svals[@]}") pm=$(median "${pvals[@]}") r=$(median "${rvals[@]}")
     lo=$(printf '%s\n' "${rvals[@]}" | sort -g | head -1) hi=$(printf '%s\n' "${rvals[@]}" | sort -g | tail -1)
+    # (No process substitution: the guest has no /dev/fd.)
+    ci=$(python3 - "${rvals[@]}" <<'PY'
+import math, random, statistics, sys
+r = [float(x) for x in sys.argv[1:] if math.isfinite(float(x))]
+if not r:
+    print("nan nan")
+else:
+    rng = random.Random(1)
+    m = sorted(statistics.median(rng.choices(r, k=len(r))) for _ in range(2000))
+    print("%.3f %.3f" % (m[100], m[1899]))
+PY
+)
+    read -r cl ch <<<"$ci"
     v=$(python3 -c "r=float('$r'); print('ok' if r == r and r $op $target else 'MISS')")
+    python3 -c "import sys; lo, hi, t = float('$cl'), float('$ch'), float('$target'); sys.exit(0 if lo <= t <= hi else 1)" &&
+      v="$v (CI spans the target)"
     if [ $metric = usec ]; then
       v="$v min $(median "${smins[@]}")/$(median "${pmins[@]}")"
     fi
-    printf "%-9s %-7s %-6s %12s %12s %8s %15s %8s %s\n" $name $size $metric "$sm" "$pm" "$r" "($lo-$hi)" "$op$target" "$v"
+    printf "%-9s %-7s %-6s %12s %12s %8s %15s %13s %8s %s\n" $name $size $metric "$sm" "$pm" "$r" "($lo-$hi)" "$cl-$ch" "$op$target" "$v"
     [ -n "${VERBOSE:-}" ] && echo "  # $name $size: shuttle ${svals[*]} | perftest ${pvals[*]} | ratios ${rvals[*]}"
     true
   }
