@@ -100,14 +100,10 @@ for size in ${SIZES:-64 4096}; do
     done
     sr=$(median "${s_rps[@]}") sc=$(median "${s_cpu[@]}") sp=$(median "${s_p99[@]}") sk=$(median "${s_cli[@]}")
     ar=$(median "${a_rps[@]}") ac=$(median "${a_cpu[@]}") ap=$(median "${a_p99[@]}") ak=$(median "${a_cli[@]}")
-    paired=$(python3 - "${s_rps[*]}" "${a_rps[*]}" <<'PY'
-import random, statistics, sys
-r = [float(s) / float(a) for s, a in zip(sys.argv[1].split(), sys.argv[2].split()) if float(a) > 0]
-rng = random.Random(1)
-m = sorted(statistics.median(rng.choices(r, k=len(r))) for _ in range(2000))
-print("%.3f %.3f %.3f" % (statistics.median(r), m[100], m[1899]))
-PY
-)
+    ratios=$(awk -v s="${s_rps[*]}" -v a="${a_rps[*]}" \
+      'BEGIN { n = split(s, x, " "); split(a, y, " "); for (i = 1; i <= n; i++) printf "%s ", (y[i] > 0 ? x[i] / y[i] : "nan") }')
+    # shellcheck disable=SC2086
+    paired=$(python3 bench/median_ci.py $ratios)
     read -r pr pl ph <<<"$paired"
     printf "%-6s %-6s %12s %10s %8s %10s %12s %10s %8s %10s %7s %9s %7s %13s\n" "$conns" "$size" "$sr" "$sc" "$sp" "$sk" "$ar" "$ac" "$ap" "$ak" \
       "$(python3 -c "print('%.3f' % ($sr / $ar))")" "$(python3 -c "print('%.3f' % ($ac / $sc))")" "$pr" "$pl-$ph"

@@ -22,6 +22,7 @@
 # Usage: [SECTIONS="bw lat rate"] [REPS=3] bench/verbs_perf.sh [BUILD_DIR]
 # (needs the perftest package and tests/softrdma/install-deps.sh's packages)
 set -euo pipefail
+here=$(dirname "$(readlink -f "$0")")
 if [ "${1:-}" = --in-guest ]; then
   perf=$2
   O="--transport verbs --device rxe0 --gid-index 1"
@@ -107,18 +108,8 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     sm=$(median "${svals[@]}") pm=$(median "${pvals[@]}") r=$(median "${rvals[@]}")
     lo=$(printf '%s\n' "${rvals[@]}" | sort -g | head -1) hi=$(printf '%s\n' "${rvals[@]}" | sort -g | tail -1)
     # (No process substitution: the guest has no /dev/fd.)
-    ci=$(python3 - "${rvals[@]}" <<'PY'
-import math, random, statistics, sys
-r = [float(x) for x in sys.argv[1:] if math.isfinite(float(x))]
-if not r:
-    print("nan nan")
-else:
-    rng = random.Random(1)
-    m = sorted(statistics.median(rng.choices(r, k=len(r))) for _ in range(2000))
-    print("%.3f %.3f" % (m[100], m[1899]))
-PY
-)
-    read -r cl ch <<<"$ci"
+    ci=$(python3 "$here/median_ci.py" "${rvals[@]}")
+    read -r _ cl ch <<<"$ci"
     v=$(python3 -c "r=float('$r'); print('ok' if r == r and r $op $target else 'MISS')")
     python3 -c "import sys; lo, hi, t = float('$cl'), float('$ch'), float('$target'); sys.exit(0 if lo <= t <= hi else 1)" &&
       v="$v (CI spans the target)"

@@ -36,15 +36,12 @@ void* allocate_task_frame_slow(std::size_t size) {
 void free_task_frame_slow(void* p, std::size_t size) noexcept {
   frame_cache& cache = task_frame_cache;
   const std::size_t c = frame_cache::class_of(size);
-  if (c < frame_cache::classes && cache.count[c] < frame_cache::max_cached && !cache.gone) {
+  if (cache.has_room(c)) {
     if (!cache.cleanup_armed) {
       cleanup.armed = true;  // constructs it, which registers its destructor
       cache.cleanup_armed = true;
     }
-    auto* b = static_cast<frame_cache::free_block*>(p);
-    b->next = cache.head[c];
-    cache.head[c] = b;
-    ++cache.count[c];
+    cache.push(c, p);
     return;
   }
   ::operator delete(p);

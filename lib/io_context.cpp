@@ -99,7 +99,6 @@ io_context::~io_context() {
   }
 }
 
-
 io_context& io_context::current() {
   if (!current_context)
     throw std::logic_error("shuttle: no io_context on this thread (create one, or run inside a runtime)");
@@ -129,7 +128,6 @@ void io_context::submit_cancel(const detail::io_op* target) {
   io_uring_prep_cancel64(sqe, reinterpret_cast<std::uint64_t>(target), 0);
   io_uring_sqe_set_data64(sqe, 0);  // its own completion is ignored
 }
-
 
 // The first post into an empty queue writes the eventfd, whether the loop
 // sleeps or not: that keeps the loop's own path free of fences (no "I am

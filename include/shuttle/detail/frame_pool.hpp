@@ -39,6 +39,13 @@ struct frame_cache {
   bool gone;           // this thread is exiting: blocks go straight to the heap
 
   static std::size_t class_of(std::size_t size) noexcept { return (size + granule - 1) / granule - 1; }
+  bool has_room(std::size_t c) const noexcept { return c < classes && count[c] < max_cached && !gone; }
+  void push(std::size_t c, void* p) noexcept {
+    auto* b = static_cast<free_block*>(p);
+    b->next = head[c];
+    head[c] = b;
+    ++count[c];
+  }
 };
 
 // Trivially destructible and constant-initialized, so that reaching it costs
@@ -67,11 +74,8 @@ inline void* allocate_task_frame(std::size_t size) {
 inline void free_task_frame(void* p, std::size_t size) noexcept {
   frame_cache& cache = task_frame_cache;
   const std::size_t c = frame_cache::class_of(size);
-  if (c < frame_cache::classes && cache.count[c] < frame_cache::max_cached && cache.cleanup_armed && !cache.gone) {
-    auto* b = static_cast<frame_cache::free_block*>(p);
-    b->next = cache.head[c];
-    cache.head[c] = b;
-    ++cache.count[c];
+  if (cache.cleanup_armed && cache.has_room(c)) {
+    cache.push(c, p);
     return;
   }
   free_task_frame_slow(p, size);
