@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 bash tools/install-deps.sh
 jobs=$(nproc)
 status=0
+failed_steps=()  # what failed, named again at the end (a CI log is often kept only by its tail)
 
 setup() {  # dir, then meson options: configures (or reconfigures) without building
   local dir=$1; shift
@@ -26,13 +27,16 @@ configure() {  # dir, then meson options: configures and builds everything
 run_suites() {  # dir, then meson test options
   local dir=$1; shift
   echo "=== meson test in $dir $*"
-  meson test -C "$dir" --print-errorlogs --num-processes "$jobs" "$@" || status=1
+  if ! meson test -C "$dir" --print-errorlogs --num-processes "$jobs" "$@"; then
+    status=1
+    failed_steps+=("$dir")
+  fi
 }
 
 configure build-ci --buildtype=debugoptimized
 run_suites build-ci
 echo "=== downstream use: meson install + pkg-config, meson subproject"
-bash tools/test-consumers.sh build-ci || status=1
+bash tools/test-consumers.sh build-ci || { status=1; failed_steps+=("downstream use (tools/test-consumers.sh)"); }
 
 # -O0 (buildtype debug): the sanitizers find the same faults at any level,
 # and instrumented -O2 compiles 4-5x slower (19 min of this script on 2
@@ -55,6 +59,7 @@ if boost181=$(bash tools/boost-alt.sh 1.81); then
 else
   echo "run-tests: Boost 1.81 unavailable (tools/boost-alt.sh failed): asio suite not run against it"
   status=1
+  failed_steps+=("Boost 1.81 (tools/boost-alt.sh)")
 fi
 
 # The frame fuzzer (clang libFuzzer), a bounded 60 s run; only its target is built.
@@ -67,5 +72,10 @@ CC=clang CXX=clang++ setup build-tsan --buildtype=debugoptimized -Db_sanitize=th
 ninja -C build-tsan -j "$jobs" tests/test_runtime tests/asio/test_asio_tokens
 TSAN_OPTIONS=halt_on_error=1 run_suites build-tsan --no-rebuild --suite threads
 
-if [ $status -eq 0 ]; then echo "run-tests: all suites passed"; else echo "run-tests: FAILURES (see above)"; fi
+if [ $status -eq 0 ]; then echo "run-tests: all suites passed"; exit 0; fi
+echo "run-tests: FAILURES in: ${failed_steps[*]}"
+for step in "${failed_steps[@]}"; do
+  if [ -f "$step/meson-logs/testlog.json" ]; then python3 tools/failed-tests.py "$step" || true; fi
+done
+echo "run-tests: FAILURES in: ${failed_steps[*]}"
 exit $status
