@@ -169,14 +169,29 @@ TEST_CASE("a busy-polling loop still completes io_uring operations") {
 }
 
 // spin_clock (the busy-polling budgets' clock: the TSC on x86) keeps time
-// with steady_clock.
+// with steady_clock. Each end is a spin_clock read bracketed by two
+// steady_clock reads, retried until the bracket is tight: a preemption next
+// to one read (a loaded CI machine) would otherwise skew a 30 ms window by
+// more than the tolerance.
 TEST_CASE("spin_clock advances with steady_clock") {
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::int64_t s0 = detail::spin_clock::now_ns();
+  (void)detail::spin_clock::now_ns();  // calibrates, outside the measured window
+  struct point {
+    double steady_ns;
+    std::int64_t spin_ns;
+  };
+  const auto sample = [] {
+    for (int attempt = 0;; ++attempt) {
+      const auto a = std::chrono::steady_clock::now();
+      const std::int64_t s = detail::spin_clock::now_ns();
+      const auto b = std::chrono::steady_clock::now();
+      if (b - a < 100us || attempt == 1000)
+        return point{std::chrono::duration<double, std::nano>((a + (b - a) / 2).time_since_epoch()).count(), s};
+    }
+  };
+  const point p0 = sample();
   std::this_thread::sleep_for(30ms);
-  const std::int64_t s1 = detail::spin_clock::now_ns();
-  const double steady_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
-  const double ratio = double(s1 - s0) / steady_ns;
+  const point p1 = sample();
+  const double ratio = double(p1.spin_ns - p0.spin_ns) / (p1.steady_ns - p0.steady_ns);
   CAPTURE(ratio);
   CHECK(ratio > 0.8);
   CHECK(ratio < 1.2);
