@@ -25,24 +25,15 @@ set -euo pipefail
 here=$(dirname "$(readlink -f "$0")")
 if [ "${1:-}" = --in-guest ]; then
   perf=$2
-  O="--transport verbs --device rxe0 --gid-index 1"
-  P="-d rxe0 -x 1 -F"
-  addr=192.168.77.1
+  # shellcheck source=guest_common.sh
+  . "$here/guest_common.sh"
   work=$(mktemp -d)
   port=19000
   n1=${N1:-500} n2=${N2:-4500}
   # The reports' work on the N samples (sorting them: N log N, so it does
   # not cancel in the difference) is not the loop's.
   report_fns='msort|qsort|introsort|insertion_sort|__adjust_heap|__heap_select|lat_stats|random|printf|scanf|strto'
-  wait_for() {  # file pattern
-    for _ in $(seq 600); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
-    echo "verbs_insn: server did not start:" >&2; cat "$1" >&2; return 1
-  }
-  wait_listen() {  # port
-    for _ in $(seq 600); do ss -Hltn "sport = :$1" 2>/dev/null | grep -q LISTEN && return 0; sleep 0.1; done
-    echo "verbs_insn: perftest server did not listen on $1" >&2; return 1
-  }
-  vg() { valgrind --tool=callgrind --callgrind-out-file="$work/cg.out" "$@"; }
+  vg() { timeout 600 valgrind --tool=callgrind --callgrind-out-file="$work/cg.out" "$@"; }
   # run TOOL SIDE TEST N: one pair with SIDE (client|server) under callgrind;
   # leaves the callgrind file in $work/cg.out
   run() {
@@ -58,9 +49,10 @@ if [ "${1:-}" = --in-guest ]; then
     rm -f "$work/cg.out"
     if [ "$side" = server ]; then vg "${s[@]}" >"$work/s.log" 2>&1 & else "${s[@]}" >"$work/s.log" 2>&1 & fi
     local spid=$!
-    if [ "$tool" = shuttle ]; then wait_for "$work/s.log" listening; else wait_listen $port; fi
-    if [ "$side" = client ]; then timeout 600 valgrind --tool=callgrind --callgrind-out-file="$work/cg.out" "${c[@]}" >"$work/c.log" 2>&1
-    else timeout 600 "${c[@]}" >"$work/c.log" 2>&1; fi || { echo "verbs_insn: $tool $t $side client failed:" >&2; cat "$work/c.log" "$work/s.log" >&2; }
+    if [ "$tool" = shuttle ]; then wait_for "$work/s.log" listening; else wait_listen $port $spid; fi
+    if [ "$side" = client ]; then vg "${c[@]}" >"$work/c.log" 2>&1
+    else timeout 600 "${c[@]}" >"$work/c.log" 2>&1; fi || {
+      echo "verbs_insn: $tool $t $side client failed:" >&2; cat "$work/c.log" "$work/s.log" >&2; kill $spid 2>/dev/null; }
     wait $spid || true
   }
   # counts -> "app verbs libc other ops" for the last run; ops: app less the

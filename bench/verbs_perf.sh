@@ -25,22 +25,13 @@ set -euo pipefail
 here=$(dirname "$(readlink -f "$0")")
 if [ "${1:-}" = --in-guest ]; then
   perf=$2
-  O="--transport verbs --device rxe0 --gid-index 1"
-  P="-d rxe0 -x 1 -F"
-  addr=192.168.77.1
+  # shellcheck source=guest_common.sh
+  . "$here/guest_common.sh"
   work=$(mktemp -d)
   port=19000
   spid=
   trap '[ -n "$spid" ] && kill $spid 2>/dev/null; true' EXIT
 
-  wait_for() {  # file pattern
-    for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
-    echo "verbs_perf: server did not start:"; cat "$1"; return 1
-  }
-  wait_listen() {  # port
-    for _ in $(seq 100); do kill -0 $spid 2>/dev/null || break; ss -Hltn "sport = :$1" 2>/dev/null | grep -q LISTEN && return 0; sleep 0.1; done
-    echo "verbs_perf: perftest server did not listen on $1"; return 1
-  }
   finish() {  # wait for the server, at most 30 s
     for _ in $(seq 300); do kill -0 $spid 2>/dev/null || break; sleep 0.1; done
     kill $spid 2>/dev/null || true; wait $spid 2>/dev/null || true; spid=
@@ -50,7 +41,7 @@ if [ "${1:-}" = --in-guest ]; then
     port=$((port + 1))
     $perf $O --bind $addr --port $port >$work/s.log 2>&1 &
     spid=$!
-    wait_for $work/s.log listening >&2 || { finish; echo nan; return; }
+    wait_for $work/s.log listening || { finish; echo nan; return; }
     local sz=(--size $2); [ "$1" = atomic ] && sz=()
     timeout 120 $perf $addr $O --port $port --test $1 "${sz[@]}" --iters $3 --depth $4 --json >$work/c.log 2>&1 ||
       { echo "shuttle-perf $1 failed:" >&2; cat $work/c.log $work/s.log >&2; finish; echo nan; return; }
@@ -67,7 +58,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     port=$((port + 1))
     $bin $P -p $port -s $size -n $n "$@" >$work/ps.log 2>&1 &
     spid=$!
-    wait_listen $port >&2 || { cat $work/ps.log >&2; finish; echo nan; return; }
+    wait_listen $port $spid || { cat $work/ps.log >&2; finish; echo nan; return; }
     timeout 120 $bin $P -p $port -s $size -n $n "$@" $addr >$work/pc.log 2>&1 ||
       { echo "$bin failed:" >&2; cat $work/pc.log $work/ps.log >&2; finish; echo nan; return; }
     finish
