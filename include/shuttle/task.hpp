@@ -18,6 +18,7 @@
 #include <coroutine>
 #include <exception>
 #include <stop_token>
+#include <type_traits>
 #include <utility>
 #include <variant>
 
@@ -206,5 +207,21 @@ task<await_result_t<A>> as_task(A a) {
   else
     co_return co_await std::move(a);
 }
+
+namespace detail {
+template <class A>
+inline constexpr bool is_task_v = false;
+template <class T>
+inline constexpr bool is_task_v<task<T>> = true;
+
+// A task as it is; any other awaitable (an rvalue) wrapped by as_task.
+template <class A>
+auto to_task(A&& a) {
+  if constexpr (is_task_v<std::remove_cvref_t<A>>)
+    return std::remove_cvref_t<A>(std::move(a));
+  else
+    return as_task(std::forward<A>(a));
+}
+}  // namespace detail
 
 }  // namespace shuttle

@@ -72,4 +72,11 @@ task<result<T>> with_timeout(task<result<T>> t, std::chrono::duration<Rep, Perio
   co_return std::move(std::get<0>(r));
 }
 
+// Any other awaitable (a connection operation, say), run as a task.
+template <awaitable A, class Rep, class Period>
+  requires(!detail::is_task_v<std::remove_cvref_t<A>>)
+auto with_timeout(A&& a, std::chrono::duration<Rep, Period> d) {
+  return with_timeout(as_task(std::forward<A>(a)), d);
+}
+
 }  // namespace shuttle

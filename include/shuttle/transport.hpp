@@ -36,6 +36,7 @@
 #include <span>
 #include <string>
 
+#include <shuttle/detail/connection_op.hpp>
 #include <shuttle/error.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/task.hpp>
@@ -192,16 +193,23 @@ class connection {
   // Two-sided. `msg` may be any memory: it is sent from a registration that
   // covers it (found in the domain's cache, registered on first use) or,
   // when small, inline. At most max_message_size() bytes.
-  task<result<void>> send(std::span<const std::byte> msg);
-  task<result<message>> recv();
+  //
+  // Each single operation returns a connection_op<T> (connection_op.hpp):
+  // co_await it for a result<T>, or pass it to when_all / when_any /
+  // with_timeout, or convert it to task<result<T>>. Awaited directly, it
+  // keeps its state in the awaiting frame (no allocation on the fast path).
+  connection_op<void> send(std::span<const std::byte> msg);
+  // Concurrent recv() calls on one connection are served oldest first; a
+  // cancelled one takes no message.
+  connection_op<message> recv();
 
   // One-sided. Local memory is registered through the domain's cache.
-  task<result<void>> write(std::span<const std::byte> local, remote_buffer remote);
-  task<result<void>> write_with_imm(std::span<const std::byte> local, remote_buffer remote, std::uint32_t imm);
-  task<result<void>> read(std::span<std::byte> local, remote_buffer remote);
+  connection_op<void> write(std::span<const std::byte> local, remote_buffer remote);
+  connection_op<void> write_with_imm(std::span<const std::byte> local, remote_buffer remote, std::uint32_t imm);
+  connection_op<void> read(std::span<std::byte> local, remote_buffer remote);
   // 8-byte aligned remote word; both return the value found there before.
-  task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected, std::uint64_t desired);
-  task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add);
+  connection_op<std::uint64_t> compare_and_swap(remote_buffer remote, std::uint64_t expected, std::uint64_t desired);
+  connection_op<std::uint64_t> fetch_and_add(remote_buffer remote, std::uint64_t add);
 
   // A batch: the operations are posted in order as one unit and the task
   // completes when all of them have (RC order: they are performed in order,

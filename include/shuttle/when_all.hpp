@@ -106,6 +106,13 @@ task<std::tuple<non_void_t<Ts>...>> when_all(task<Ts>... tasks) {
   co_return std::apply([](auto&... r) { return std::tuple<non_void_t<Ts>...>(std::move(*r.value)...); }, results);
 }
 
+// Any awaitables (connection operations, sleeps), each run as a task.
+template <awaitable... As>
+  requires(!(detail::is_task_v<std::remove_cvref_t<As>> && ...))
+auto when_all(As&&... as) {
+  return when_all(detail::to_task(std::forward<As>(as))...);
+}
+
 // when_all over a run-time number of tasks of one type.
 template <class T>
 task<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> when_all(std::vector<task<T>> tasks) {

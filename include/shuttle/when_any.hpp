@@ -55,4 +55,11 @@ task<std::variant<non_void_t<Ts>...>> when_any(task<Ts>... tasks) {
   co_return std::move(*out);
 }
 
+// Any awaitables, each run as a task.
+template <awaitable... As>
+  requires(!(detail::is_task_v<std::remove_cvref_t<As>> && ...))
+auto when_any(As&&... as) {
+  return when_any(detail::to_task(std::forward<As>(as))...);
+}
+
 }  // namespace shuttle

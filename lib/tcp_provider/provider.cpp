@@ -734,41 +734,26 @@ class tcp_connection final : public connection_impl {
   explicit tcp_connection(std::shared_ptr<conn_state> s) noexcept : s_(std::move(s)) {}
   ~tcp_connection() override { s_->enter_error(err(errc::disconnected)); }
 
-  task<result<void>> send(std::span<const std::byte> msg) override {
-    if (msg.size() > s_->peer.receive_buffer_size) return fail<void>(errc::message_too_long);
-    header h;
-    h.op = opcode::send;
-    h.length = static_cast<std::uint32_t>(msg.size());
-    return conn_state::submit_void(s_, h, msg);
+  // The tcp provider's operations are coroutines (it has no latency path
+  // to spare a frame on: the socket round trip dwarfs it).
+  void send(op_slot<void>& out, std::span<const std::byte> msg) override { out.set_task(send_task(msg)); }
+  void recv(op_slot<message>& out) override { out.set_task(recv_task()); }
+  void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) override {
+    out.set_task(write_task(local, remote));
   }
-  task<result<message>> recv() override { return conn_state::recv(s_); }
-  task<result<void>> write(std::span<const std::byte> local, remote_buffer remote) override {
-    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
-    return conn_state::submit_void(s_, one_sided(opcode::write, remote, local.size()), local);
+  void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
+                      std::uint32_t imm) override {
+    out.set_task(write_with_imm_task(local, remote, imm));
   }
-  task<result<void>> write_with_imm(std::span<const std::byte> local, remote_buffer remote,
-                                    std::uint32_t imm) override {
-    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
-    header h = one_sided(opcode::write_imm, remote, local.size());
-    h.flags = flag_imm;
-    h.imm = imm;
-    return conn_state::submit_void(s_, h, local);
+  void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) override {
+    out.set_task(read_task(local, remote));
   }
-  task<result<void>> read(std::span<std::byte> local, remote_buffer remote) override {
-    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
-    return read_impl(s_, one_sided(opcode::read_req, remote, local.size()), local);
+  void compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
+                        std::uint64_t desired) override {
+    out.set_task(compare_and_swap_task(remote, expected, desired));
   }
-  task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected,
-                                               std::uint64_t desired) override {
-    header h = one_sided(opcode::cas, remote, 8);
-    h.arg0 = expected;
-    h.arg1 = desired;
-    return conn_state::submit(s_, h, {}, {});
-  }
-  task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add) override {
-    header h = one_sided(opcode::faa, remote, 8);
-    h.arg0 = add;
-    return conn_state::submit(s_, h, {}, {});
+  void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) override {
+    out.set_task(fetch_and_add_task(remote, add));
   }
   task<result<void>> post_batch(std::span<const operation> ops) override {
     std::vector<header> hs;
@@ -811,6 +796,42 @@ class tcp_connection final : public connection_impl {
   endpoint remote_endpoint() const noexcept override { return s_->remote; }
 
  private:
+  task<result<void>> send_task(std::span<const std::byte> msg) {
+    if (msg.size() > s_->peer.receive_buffer_size) return fail<void>(errc::message_too_long);
+    header h;
+    h.op = opcode::send;
+    h.length = static_cast<std::uint32_t>(msg.size());
+    return conn_state::submit_void(s_, h, msg);
+  }
+  task<result<message>> recv_task() { return conn_state::recv(s_); }
+  task<result<void>> write_task(std::span<const std::byte> local, remote_buffer remote) {
+    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
+    return conn_state::submit_void(s_, one_sided(opcode::write, remote, local.size()), local);
+  }
+  task<result<void>> write_with_imm_task(std::span<const std::byte> local, remote_buffer remote,
+                                    std::uint32_t imm) {
+    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
+    header h = one_sided(opcode::write_imm, remote, local.size());
+    h.flags = flag_imm;
+    h.imm = imm;
+    return conn_state::submit_void(s_, h, local);
+  }
+  task<result<void>> read_task(std::span<std::byte> local, remote_buffer remote) {
+    if (local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
+    return read_impl(s_, one_sided(opcode::read_req, remote, local.size()), local);
+  }
+  task<result<std::uint64_t>> compare_and_swap_task(remote_buffer remote, std::uint64_t expected,
+                                               std::uint64_t desired) {
+    header h = one_sided(opcode::cas, remote, 8);
+    h.arg0 = expected;
+    h.arg1 = desired;
+    return conn_state::submit(s_, h, {}, {});
+  }
+  task<result<std::uint64_t>> fetch_and_add_task(remote_buffer remote, std::uint64_t add) {
+    header h = one_sided(opcode::faa, remote, 8);
+    h.arg0 = add;
+    return conn_state::submit(s_, h, {}, {});
+  }
   // The request header of a one-sided operation on `remote`.
   static header one_sided(opcode op, remote_buffer remote, std::size_t length) noexcept {
     header h;

@@ -73,26 +73,88 @@ connection::connection(connection&&) noexcept = default;
 connection& connection::operator=(connection&&) noexcept = default;
 connection::~connection() = default;
 
-task<result<void>> connection::send(std::span<const std::byte> msg) {
-  return impl_ ? impl_->send(msg) : not_connected<void>();
+// The launchers run when the operation is awaited (connection_op::await_ready).
+namespace {
+using detail::op_args;
+using detail::op_slot;
+
+op_args local_args(std::span<const std::byte> local, remote_buffer remote = {}) noexcept {
+  op_args a;
+  a.data = const_cast<std::byte*>(local.data());  // read() alone writes it, and it took a writable span
+  a.size = local.size();
+  a.address = remote.address;
+  a.rkey = remote.rkey;
+  a.length = remote.length;
+  return a;
 }
-task<result<message>> connection::recv() { return impl_ ? impl_->recv() : not_connected<message>(); }
-task<result<void>> connection::write(std::span<const std::byte> local, remote_buffer remote) {
-  return impl_ ? impl_->write(local, remote) : not_connected<void>();
+std::span<const std::byte> local_of(const op_args& a) noexcept { return {a.data, a.size}; }
+remote_buffer remote_of(const op_args& a) noexcept { return {a.address, a.rkey, a.length}; }
+
+template <class T>
+bool refuse_unconnected(detail::connection_impl* impl, op_slot<T>& out) {
+  if (impl) return false;
+  out.set_result(make_error_code(errc::disconnected));
+  return true;
 }
-task<result<void>> connection::write_with_imm(std::span<const std::byte> local, remote_buffer remote,
-                                              std::uint32_t imm) {
-  return impl_ ? impl_->write_with_imm(local, remote, imm) : not_connected<void>();
+}  // namespace
+
+connection_op<void> connection::send(std::span<const std::byte> msg) {
+  return {impl_.get(),
+          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
+            if (!refuse_unconnected(c, out)) c->send(out, local_of(a));
+          },
+          local_args(msg)};
 }
-task<result<void>> connection::read(std::span<std::byte> local, remote_buffer remote) {
-  return impl_ ? impl_->read(local, remote) : not_connected<void>();
+connection_op<message> connection::recv() {
+  return {impl_.get(),
+          [](detail::connection_impl* c, const op_args&, op_slot<message>& out) {
+            if (!refuse_unconnected(c, out)) c->recv(out);
+          },
+          {}};
 }
-task<result<std::uint64_t>> connection::compare_and_swap(remote_buffer remote, std::uint64_t expected,
-                                                         std::uint64_t desired) {
-  return impl_ ? impl_->compare_and_swap(remote, expected, desired) : not_connected<std::uint64_t>();
+connection_op<void> connection::write(std::span<const std::byte> local, remote_buffer remote) {
+  return {impl_.get(),
+          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
+            if (!refuse_unconnected(c, out)) c->write(out, local_of(a), remote_of(a));
+          },
+          local_args(local, remote)};
 }
-task<result<std::uint64_t>> connection::fetch_and_add(remote_buffer remote, std::uint64_t add) {
-  return impl_ ? impl_->fetch_and_add(remote, add) : not_connected<std::uint64_t>();
+connection_op<void> connection::write_with_imm(std::span<const std::byte> local, remote_buffer remote,
+                                               std::uint32_t imm) {
+  op_args args = local_args(local, remote);
+  args.imm = imm;
+  return {impl_.get(),
+          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
+            if (!refuse_unconnected(c, out)) c->write_with_imm(out, local_of(a), remote_of(a), a.imm);
+          },
+          args};
+}
+connection_op<void> connection::read(std::span<std::byte> local, remote_buffer remote) {
+  return {impl_.get(),
+          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
+            if (!refuse_unconnected(c, out)) c->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
+          },
+          local_args(local, remote)};
+}
+connection_op<std::uint64_t> connection::compare_and_swap(remote_buffer remote, std::uint64_t expected,
+                                                          std::uint64_t desired) {
+  op_args args = local_args({}, remote);
+  args.a = expected;
+  args.b = desired;
+  return {impl_.get(),
+          [](detail::connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
+            if (!refuse_unconnected(c, out)) c->compare_and_swap(out, remote_of(a), a.a, a.b);
+          },
+          args};
+}
+connection_op<std::uint64_t> connection::fetch_and_add(remote_buffer remote, std::uint64_t add) {
+  op_args args = local_args({}, remote);
+  args.a = add;
+  return {impl_.get(),
+          [](detail::connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
+            if (!refuse_unconnected(c, out)) c->fetch_and_add(out, remote_of(a), a.a);
+          },
+          args};
 }
 task<result<void>> connection::post_batch(std::span<const operation> ops) {
   return impl_ ? impl_->post_batch(ops) : not_connected<void>();

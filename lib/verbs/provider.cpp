@@ -554,8 +554,21 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     std::uint32_t len;
     std::optional<std::uint32_t> imm;
   };
-  std::deque<rx_item> rx;
-  event rx_event;
+  std::deque<rx_item> rx;  // arrived, not yet taken (no recv() was waiting)
+  // recv() calls waiting, oldest first: an arriving message goes straight to
+  // the oldest (it then owns it, whatever else calls recv() before it runs).
+  struct recv_waiter : wait_node {
+    message msg;
+    bool has_msg = false;
+  };
+  wait_list receivers;
+  // The message owns its buffer (and a reference to the pool) from here on.
+  message make_message(const rx_item& it) noexcept {
+    ++pool->refs;
+    // The message's slot word is the buffer's recv_slot (see recv_pool::release).
+    return message(std::span<const std::byte>(it.slot->addr, it.len), it.imm, &recv_pool::release, pool,
+                   reinterpret_cast<std::uintptr_t>(it.slot));
+  }
 
   semaphore sq{0};
   semaphore credits{0};
@@ -764,7 +777,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       credits.release(1u << 20);
       sq.release(1u << 20);
     }
-    rx_event.set();
+    receivers.wake_all();
     cm_event.set();
     drained.set();
   }
@@ -889,8 +902,13 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       it.imm = ntohl(wc.imm_data);
     else
       it.len = wc.byte_len;
-    c->rx.push_back(it);
-    c->rx_event.set();
+    if (wait_node* n = c->receivers.wake_one()) {
+      auto* w = static_cast<recv_waiter*>(n);
+      w->msg = c->make_message(it);
+      w->has_msg = true;
+    } else {
+      c->rx.push_back(it);
+    }
   }
 
   void on_message_released(recv_slot& slot) {
@@ -972,9 +990,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     std::shared_ptr<conn_state> keep;
     template <class P>
     void await_suspend(std::coroutine_handle<P> hh) {
+      suspend(hh, stop_token_of(hh));
+    }
+    void suspend(std::coroutine_handle<> hh, std::stop_token t) {
       h = hh;
       keep = c->shared_from_this();
-      std::stop_token t = stop_token_of(hh);
       if (t.stop_possible()) scb.emplace(std::move(t), cancel_cb{this});
     }
     void await_resume() const noexcept {}
@@ -1393,56 +1413,32 @@ class verbs_connection final : public connection_impl {
   // Operations use the state through a plain pointer: the caller keeps the
   // connection alive for the call, and whatever waits (posted_op, execute,
   // a receive) holds a reference for as long as it waits.
-  task<result<void>> send(std::span<const std::byte> msg) override {
+  void send(op_slot<void>& out, std::span<const std::byte> msg) override {
     conn_state* s = s_.get();
-    if (msg.size() > s->peer_buffer) co_return make_error_code(errc::message_too_long);
-    conn_state::posted_op op(s, true, false);
-    op.wr.opcode = IBV_WR_SEND_WITH_IMM;
-    auto keep = s->local_sge(msg, false, true, op.wr, op.sge);
-    if (!keep) co_return keep.error();
-    auto r = s->try_reserve(true) ? co_await op : co_await s->execute(op.wr, op.sge, true, false, std::move(*keep));
-    if (!r) co_return r.error();
-    co_return result<void>{};
+    if (msg.size() > s->peer_buffer) return out.set_result(make_error_code(errc::message_too_long));
+    auto& st = out.emplace<posted_state<void>>(s, true, false);
+    st.op.wr.opcode = IBV_WR_SEND_WITH_IMM;
+    finish_setup(out, st, s->local_sge(msg, false, true, st.op.wr, st.op.sge));
   }
 
-  task<result<message>> recv() override {
-    conn_state* s = s_.get();
-    std::shared_ptr<conn_state> keep;  // taken when it waits
-    if (s->rx.empty()) s->dom->poll_inline();  // it may be in the CQ already (as execute)
-    while (s->rx.empty()) {
-      if (s->error || s->closed || !s->established) co_return disconnected();
-      if (!keep) keep = s_;
-      s->rx_event.reset();
-      ++s->dom->rx_waiters;
-      auto r = co_await s->rx_event.wait();
-      --s->dom->rx_waiters;
-      if (!r) co_return r.error();
-    }
-    auto it = s->rx.front();
-    s->rx.pop_front();
-    recv_pool* p = s->pool;
-    ++p->refs;
-    // The message's slot word is the buffer's recv_slot (see recv_pool::release).
-    co_return message(std::span<const std::byte>(it.slot->addr, it.len), it.imm, &recv_pool::release, p,
-                      reinterpret_cast<std::uintptr_t>(it.slot));
-  }
+  void recv(op_slot<message>& out) override { out.emplace<recv_state>(s_.get()); }
 
-  task<result<void>> write(std::span<const std::byte> local, remote_buffer remote) override {
-    return rdma(local, remote, IBV_WR_RDMA_WRITE, 0, false);
+  void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) override {
+    rdma(out, local, remote, IBV_WR_RDMA_WRITE, 0, false);
   }
-  task<result<void>> write_with_imm(std::span<const std::byte> local, remote_buffer remote,
-                                    std::uint32_t imm) override {
-    return rdma(local, remote, IBV_WR_RDMA_WRITE_WITH_IMM, imm, true);
+  void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
+                      std::uint32_t imm) override {
+    rdma(out, local, remote, IBV_WR_RDMA_WRITE_WITH_IMM, imm, true);
   }
-  task<result<void>> read(std::span<std::byte> local, remote_buffer remote) override {
-    return rdma(local, remote, IBV_WR_RDMA_READ, 0, false);
+  void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) override {
+    rdma(out, local, remote, IBV_WR_RDMA_READ, 0, false);
   }
-  task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected,
-                                               std::uint64_t desired) override {
-    return atomic(remote, IBV_WR_ATOMIC_CMP_AND_SWP, expected, desired);
+  void compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
+                        std::uint64_t desired) override {
+    atomic(out, remote, IBV_WR_ATOMIC_CMP_AND_SWP, expected, desired);
   }
-  task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add) override {
-    return atomic(remote, IBV_WR_ATOMIC_FETCH_AND_ADD, add, 0);
+  void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) override {
+    atomic(out, remote, IBV_WR_ATOMIC_FETCH_AND_ADD, add, 0);
   }
 
   task<result<void>> post_batch(std::span<const operation> ops) override {
@@ -1501,7 +1497,7 @@ class verbs_connection final : public connection_impl {
       s->disconnect_sent = true;
       rdma_disconnect(s->id);
     }
-    s->rx_event.set();
+    s->receivers.wake_all();
     co_return result<void>{};
   }
 
@@ -1515,34 +1511,113 @@ class verbs_connection final : public connection_impl {
   }
 
  private:
-  task<result<void>> rdma(std::span<const std::byte> local, remote_buffer remote, ibv_wr_opcode opcode,
-                          std::uint32_t imm, bool credit) {
-    conn_state* s = s_.get();
-    conn_state::posted_op op(s, credit, false);
-    ibv_send_wr& wr = op.wr;
-    wr.opcode = opcode;
-    wr.wr.rdma.remote_addr = remote.address;
-    wr.wr.rdma.rkey = remote.rkey;
-    if (opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = htonl(imm);
-    auto keep = s->local_sge(local, opcode == IBV_WR_RDMA_READ, opcode != IBV_WR_RDMA_READ, wr, op.sge);
-    if (!keep) co_return keep.error();
-    auto r = s->try_reserve(credit) ? co_await op : co_await s->execute(wr, op.sge, credit, false, std::move(*keep));
+  // A posted work request kept in the awaiter's frame (connection_op.hpp):
+  // the latency path of every single operation allocates nothing.
+  template <class T>
+  struct posted_state {
+    conn_state::posted_op op;
+    std::shared_ptr<verbs_region> keep;  // the local registration, while the NIC may use it
+    posted_state(conn_state* c, bool credit, bool atomic_result) noexcept : op(c, credit, atomic_result) {}
+    bool start() noexcept { return op.await_ready(); }
+    std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) {
+      op.suspend(h, std::move(t));
+      return std::noop_coroutine();
+    }
+    result<T> take() noexcept {
+      auto r = op.await_resume();
+      if (!r) return r.error();
+      if constexpr (std::is_void_v<T>)
+        return result<void>{};
+      else
+        return *r;
+    }
+  };
+
+  // A recv() in the awaiter's frame: takes an arrived message, or queues on
+  // the connection's receivers until one is handed to it.
+  struct recv_state {
+    conn_state* s;
+    std::shared_ptr<conn_state> keep;  // while it waits
+    conn_state::recv_waiter node;
+    bool parked = false;
+    explicit recv_state(conn_state* c) noexcept : s(c) {}
+    bool start() noexcept {
+      if (s->rx.empty()) s->dom->poll_inline();  // it may be in the CQ already (as posted_op)
+      return !s->rx.empty() || s->error || s->closed || !s->established;
+    }
+    std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) {
+      if (!s->receivers.park(node, h, std::move(t))) return h;  // stopped already: canceled
+      keep = s->shared_from_this();
+      parked = true;
+      ++s->dom->rx_waiters;
+      return std::noop_coroutine();
+    }
+    result<message> take() noexcept {
+      if (parked) {
+        parked = false;
+        --s->dom->rx_waiters;
+      }
+      if (node.has_msg) {
+        node.has_msg = false;
+        return std::move(node.msg);
+      }
+      if (node.cancelled) return canceled();
+      if (!s->rx.empty() && s->pool) {
+        auto it = s->rx.front();
+        s->rx.pop_front();
+        return s->make_message(it);
+      }
+      return disconnected();
+    }
+  };
+
+  // After local_sge: the state posts when awaited if a send-queue slot (and
+  // a credit) is free now; else a task waits for them.
+  template <class T>
+  static void finish_setup(op_slot<T>& out, posted_state<T>& st, result<std::shared_ptr<verbs_region>> keep) {
+    if (!keep) return out.set_result(keep.error());
+    conn_state* s = st.op.c;
+    if (s->try_reserve(st.op.credit)) {
+      st.keep = std::move(*keep);
+      return;
+    }
+    auto t = s->execute(st.op.wr, st.op.sge, st.op.credit, st.op.atomic_result, std::move(*keep));
+    if constexpr (std::is_void_v<T>)
+      out.set_task(drop_value(std::move(t)));
+    else
+      out.set_task(std::move(t));
+  }
+  static task<result<void>> drop_value(task<result<std::uint64_t>> t) {
+    auto r = co_await std::move(t);
     if (!r) co_return r.error();
     co_return result<void>{};
   }
 
-  task<result<std::uint64_t>> atomic(remote_buffer remote, ibv_wr_opcode opcode, std::uint64_t a, std::uint64_t b) {
+  void rdma(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote, ibv_wr_opcode opcode,
+            std::uint32_t imm, bool credit) {
     conn_state* s = s_.get();
-    if (remote.address % 8 != 0) co_return std::make_error_code(std::errc::invalid_argument);
-    conn_state::posted_op op(s, false, true);
-    ibv_send_wr& wr = op.wr;
+    auto& st = out.emplace<posted_state<void>>(s, credit, false);
+    ibv_send_wr& wr = st.op.wr;
+    wr.opcode = opcode;
+    wr.wr.rdma.remote_addr = remote.address;
+    wr.wr.rdma.rkey = remote.rkey;
+    if (opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = htonl(imm);
+    finish_setup(out, st,
+                 s->local_sge(local, opcode == IBV_WR_RDMA_READ, opcode != IBV_WR_RDMA_READ, wr, st.op.sge));
+  }
+
+  void atomic(op_slot<std::uint64_t>& out, remote_buffer remote, ibv_wr_opcode opcode, std::uint64_t a,
+              std::uint64_t b) {
+    conn_state* s = s_.get();
+    if (remote.address % 8 != 0) return out.set_result(std::make_error_code(std::errc::invalid_argument));
+    auto& st = out.emplace<posted_state<std::uint64_t>>(s, false, true);
+    ibv_send_wr& wr = st.op.wr;
     wr.opcode = opcode;
     wr.wr.atomic.remote_addr = remote.address;
     wr.wr.atomic.rkey = remote.rkey;
     wr.wr.atomic.compare_add = a;
     wr.wr.atomic.swap = b;
-    if (s->try_reserve(false)) co_return co_await op;
-    co_return co_await s->execute(wr, op.sge, false, true, nullptr);
+    finish_setup(out, st, std::shared_ptr<verbs_region>{});
   }
 
   std::shared_ptr<conn_state> s_;

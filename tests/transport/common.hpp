@@ -5,10 +5,12 @@
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -59,5 +61,9 @@ inline std::vector<std::byte> pattern(std::size_t n, unsigned seed) {
 }
 
 inline bool is_error(const std::error_code& ec, errc e) { return ec == make_error_code(e); }
+
+inline bool same(std::span<const std::byte> a, std::span<const std::byte> b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
 
 }  // namespace transport_test

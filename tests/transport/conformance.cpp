@@ -683,6 +683,73 @@ TEST_CASE("cancellation: a pending recv is cancelled alone") {
   }());
 }
 
+TEST_CASE("recv: concurrent receivers are served oldest first; a cancelled one takes nothing") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::array<std::optional<result<message>>, 3> got;
+    auto receiver = [](connection& c, std::optional<result<message>>& out, bool give_up) -> task<void> {
+      if (give_up)
+        out.emplace(co_await with_timeout(c.recv(), 20ms));
+      else
+        out.emplace(co_await c.recv());
+    };
+    async_scope scope;
+    for (std::size_t i = 0; i < got.size(); ++i) scope.spawn(receiver(p.server, got[i], i == 1));
+    (void)co_await sleep_for(60ms);  // the middle one has timed out, the others still wait
+    REQUIRE(got[1].has_value());
+    CHECK(got[1]->error() == std::make_error_code(std::errc::timed_out));
+    CHECK_FALSE(got[0].has_value());
+    CHECK_FALSE(got[2].has_value());
+    std::array<std::vector<std::byte>, 3> msgs{pattern(5, 10), pattern(6, 11), pattern(7, 12)};
+    for (auto& m : msgs) REQUIRE(co_await p.client.send(m));
+    co_await scope.join();
+    REQUIRE(got[0].has_value());
+    REQUIRE(got[2].has_value());
+    REQUIRE(got[0]->has_value());
+    REQUIRE(got[2]->has_value());
+    CHECK(same((*got[0])->data(), msgs[0]));
+    CHECK(same((*got[2])->data(), msgs[1]));
+    auto last = co_await with_timeout(p.server.recv(), 5s);  // the third message was kept for a later recv
+    REQUIRE(last.has_value());
+    CHECK(same(last->data(), msgs[2]));
+    got = {};
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("connection_op: awaited directly, as a task, or through when_all / with_timeout") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> target(64);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    auto data = pattern(64, 3);
+    // Converted to a task and awaited later: nothing runs before the await.
+    task<result<void>> w = p.client.write(data, mr.remote());
+    CHECK(std::all_of(target.begin(), target.end(), [](std::byte b) { return b == std::byte{0}; }));
+    CHECK((co_await std::move(w)).has_value());
+    CHECK(same(target, data));
+    // Moved before it is awaited.
+    auto op = p.client.fetch_and_add(mr.remote(0, 8), 1);
+    auto moved = std::move(op);
+    auto before = co_await std::move(moved);
+    REQUIRE(before.has_value());
+    auto again = co_await with_timeout(p.client.fetch_and_add(mr.remote(0, 8), 1), 5s);
+    REQUIRE(again.has_value());
+    CHECK(*again == *before + 1);
+    // A default-constructed connection: its operations fail, nothing crashes.
+    connection none;
+    auto r = co_await none.send(data);
+    CHECK(is_error(r.error(), errc::disconnected));
+    auto m = co_await none.recv();
+    CHECK(is_error(m.error(), errc::disconnected));
+    co_await close_pair(p);
+  }());
+}
+
 TEST_CASE("cancellation: an in-flight operation resumes only when its buffer is safe") {
   io_context ctx;
   ctx.run([]() -> task<void> {

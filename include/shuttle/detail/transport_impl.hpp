@@ -19,15 +19,17 @@ class region_impl {
 class connection_impl {
  public:
   virtual ~connection_impl() = default;
-  virtual task<result<void>> send(std::span<const std::byte> msg) = 0;
-  virtual task<result<message>> recv() = 0;
-  virtual task<result<void>> write(std::span<const std::byte> local, remote_buffer remote) = 0;
-  virtual task<result<void>> write_with_imm(std::span<const std::byte> local, remote_buffer remote,
-                                            std::uint32_t imm) = 0;
-  virtual task<result<void>> read(std::span<std::byte> local, remote_buffer remote) = 0;
-  virtual task<result<std::uint64_t>> compare_and_swap(remote_buffer remote, std::uint64_t expected,
-                                                       std::uint64_t desired) = 0;
-  virtual task<result<std::uint64_t>> fetch_and_add(remote_buffer remote, std::uint64_t add) = 0;
+  // The single operations build their state in `out` (connection_op.hpp):
+  // a frame-free state of the provider's own, or set_task / set_result.
+  virtual void send(op_slot<void>& out, std::span<const std::byte> msg) = 0;
+  virtual void recv(op_slot<message>& out) = 0;
+  virtual void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) = 0;
+  virtual void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
+                              std::uint32_t imm) = 0;
+  virtual void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) = 0;
+  virtual void compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
+                                std::uint64_t desired) = 0;
+  virtual void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) = 0;
   virtual task<result<void>> post_batch(std::span<const operation> ops) = 0;
   virtual task<result<void>> close() = 0;
   virtual bool is_open() const noexcept = 0;

@@ -1,0 +1,163 @@
+// The state of one connection operation, kept inside the awaiting
+// coroutine's frame rather than in a frame of its own.
+//
+// connection::send() and its siblings return a connection_op: the arguments
+// and a fixed block of storage. Awaiting it asks the provider to build the
+// operation there (op_slot::emplace) and to start it; the provider's state
+// type then suspends and resumes the awaiter itself, so the latency path of
+// an operation allocates nothing and runs no coroutine of its own. A
+// provider may instead hand over a task (op_slot::set_task: its slow paths,
+// and the tcp provider), which is awaited as any task is.
+#pragma once
+
+#include <coroutine>
+#include <cstddef>
+#include <new>
+#include <span>
+#include <stop_token>
+#include <type_traits>
+#include <utility>
+
+#include <shuttle/result.hpp>
+#include <shuttle/task.hpp>
+
+namespace shuttle {
+
+struct remote_buffer;
+
+namespace detail {
+
+class connection_impl;
+
+// Large enough for the verbs provider's posted work request (checked there).
+inline constexpr std::size_t op_state_capacity = 320;
+
+// A state type S provides:
+//   bool start() noexcept;  true: finished already, the awaiter does not suspend
+//   std::coroutine_handle<> suspend(std::coroutine_handle<> awaiter, std::stop_token);
+//       what to resume now: std::noop_coroutine() to stay suspended until the
+//       state resumes the awaiter, the awaiter itself to continue at once
+//   result<T> take();       the outcome, once (after start() or the resumption)
+template <class T>
+class op_slot {
+ public:
+  op_slot() noexcept = default;
+  op_slot(const op_slot&) = delete;
+  op_slot& operator=(const op_slot&) = delete;
+  ~op_slot() { reset(); }
+
+  // Builds the state in place, replacing any earlier one.
+  template <class S, class... A>
+  S& emplace(A&&... a) {
+    static_assert(sizeof(S) <= op_state_capacity, "op_state_capacity is too small for this state");
+    static_assert(alignof(S) <= alignof(std::max_align_t));
+    reset();
+    S* s = ::new (static_cast<void*>(storage_)) S(std::forward<A>(a)...);
+    vt_ = &vtable_of<S>;
+    return *s;
+  }
+  // The operation is a task (awaited as a child: continuation and stop token).
+  void set_task(task<result<T>> t) { emplace<task_state>(std::move(t)); }
+  // The operation is over before it started (bad arguments, a dead connection).
+  void set_result(result<T> r) { emplace<ready_state>(std::move(r)); }
+
+  bool has_state() const noexcept { return vt_ != nullptr; }
+  bool start() noexcept { return vt_->start(storage_); }
+  std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) {
+    return vt_->suspend(storage_, h, std::move(t));
+  }
+  result<T> take() { return vt_->take(storage_); }
+
+ private:
+  struct vtable {
+    bool (*start)(void*) noexcept;
+    std::coroutine_handle<> (*suspend)(void*, std::coroutine_handle<>, std::stop_token);
+    result<T> (*take)(void*);
+    void (*destroy)(void*) noexcept;
+  };
+  template <class S>
+  static constexpr vtable vtable_of = {
+      [](void* p) noexcept { return static_cast<S*>(p)->start(); },
+      [](void* p, std::coroutine_handle<> h, std::stop_token t) { return static_cast<S*>(p)->suspend(h, std::move(t)); },
+      [](void* p) { return static_cast<S*>(p)->take(); },
+      [](void* p) noexcept { static_cast<S*>(p)->~S(); },
+  };
+
+  struct task_state {
+    task<result<T>> t;
+    explicit task_state(task<result<T>> tt) noexcept : t(std::move(tt)) {}
+    bool start() noexcept { return false; }
+    std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token token) noexcept {
+      auto child = t.handle();
+      child.promise().set_continuation(h);
+      child.promise().set_stop_token(std::move(token));
+      return child;
+    }
+    result<T> take() { return t.handle().promise().take(); }
+  };
+  struct ready_state {
+    result<T> r;
+    explicit ready_state(result<T> rr) noexcept(std::is_nothrow_move_constructible_v<result<T>>) : r(std::move(rr)) {}
+    bool start() noexcept { return true; }
+    std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token) noexcept { return h; }
+    result<T> take() { return std::move(r); }
+  };
+
+  void reset() noexcept {
+    if (vt_) std::exchange(vt_, nullptr)->destroy(storage_);
+  }
+
+  const vtable* vt_ = nullptr;
+  alignas(std::max_align_t) std::byte storage_[op_state_capacity];
+};
+
+// What a connection operation was called with (each uses some of it).
+struct op_args {
+  std::byte* data = nullptr;  // local memory (read: written)
+  std::size_t size = 0;
+  std::uint64_t address = 0;  // remote_buffer, flattened (transport.hpp defines it after this header)
+  std::uint32_t rkey = 0;
+  std::uint32_t imm = 0;
+  std::uint64_t length = 0;
+  std::uint64_t a = 0, b = 0;  // atomics' operands
+};
+
+}  // namespace detail
+
+// What connection::send(), recv(), write(), write_with_imm(), read(),
+// compare_and_swap() and fetch_and_add() return: an awaitable that yields
+// result<T> (co_await it once). Lazy like a task: nothing happens until it
+// is awaited, and the arguments (spans included) must stay valid until
+// then. It converts to task<result<T>> (when_all, with_timeout and
+// when_any take it directly). Movable until it is awaited, not after.
+template <class T>
+class [[nodiscard]] connection_op {
+ public:
+  using launch_fn = void (*)(detail::connection_impl*, const detail::op_args&, detail::op_slot<T>&);
+
+  connection_op(detail::connection_impl* impl, launch_fn launch, const detail::op_args& args) noexcept
+      : impl_(impl), launch_(launch), args_(args) {}
+  // Only before it is awaited: a started operation's state lives here.
+  connection_op(connection_op&& o) noexcept : impl_(o.impl_), launch_(o.launch_), args_(o.args_) {}
+  connection_op& operator=(connection_op&&) = delete;
+
+  bool await_ready() {
+    launch_(impl_, args_, slot_);
+    return slot_.start();
+  }
+  template <class P>
+  std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) {
+    return slot_.suspend(h, detail::stop_token_of(h));
+  }
+  result<T> await_resume() { return slot_.take(); }
+
+  operator task<result<T>>() && { return as_task(std::move(*this)); }  // NOLINT: implicit by design
+
+ private:
+  detail::connection_impl* impl_;
+  launch_fn launch_;
+  detail::op_args args_;
+  detail::op_slot<T> slot_;
+};
+
+}  // namespace shuttle
