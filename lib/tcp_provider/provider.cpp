@@ -734,8 +734,8 @@ class tcp_connection final : public connection_impl {
   explicit tcp_connection(std::shared_ptr<conn_state> s) noexcept : s_(std::move(s)) {}
   ~tcp_connection() override { s_->enter_error(err(errc::disconnected)); }
 
-  // The tcp provider's operations are coroutines (it has no latency path
-  // to spare a frame on: the socket round trip dwarfs it).
+  // The tcp provider's operations stay coroutines: next to a socket round
+  // trip, their frames cost nothing measurable.
   void send(op_slot<void>& out, std::span<const std::byte> msg) override { out.set_task(send_task(msg)); }
   void recv(op_slot<message>& out) override { out.set_task(recv_task()); }
   void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) override {

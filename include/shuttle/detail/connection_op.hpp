@@ -12,8 +12,8 @@
 
 #include <coroutine>
 #include <cstddef>
+#include <cstdint>
 #include <new>
-#include <span>
 #include <stop_token>
 #include <type_traits>
 #include <utility>
@@ -22,8 +22,6 @@
 #include <shuttle/task.hpp>
 
 namespace shuttle {
-
-struct remote_buffer;
 
 namespace detail {
 
