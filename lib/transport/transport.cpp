@@ -90,32 +90,22 @@ op_args local_args(std::span<const std::byte> local, remote_buffer remote = {}) 
 std::span<const std::byte> local_of(const op_args& a) noexcept { return {a.data, a.size}; }
 remote_buffer remote_of(const op_args& a) noexcept { return {a.address, a.rkey, a.length}; }
 
-template <class T>
-bool refuse_unconnected(detail::connection_impl* impl, op_slot<T>& out) {
-  if (impl) return false;
-  out.set_result(make_error_code(errc::disconnected));
-  return true;
-}
 }  // namespace
 
 connection_op<void> connection::send(std::span<const std::byte> msg) {
   return {impl_.get(),
-          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
-            if (!refuse_unconnected(c, out)) c->send(out, local_of(a));
-          },
+          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) { c->send(out, local_of(a)); },
           local_args(msg)};
 }
 connection_op<message> connection::recv() {
   return {impl_.get(),
-          [](detail::connection_impl* c, const op_args&, op_slot<message>& out) {
-            if (!refuse_unconnected(c, out)) c->recv(out);
-          },
+          [](detail::connection_impl* c, const op_args&, op_slot<message>& out) { c->recv(out); },
           {}};
 }
 connection_op<void> connection::write(std::span<const std::byte> local, remote_buffer remote) {
   return {impl_.get(),
           [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
-            if (!refuse_unconnected(c, out)) c->write(out, local_of(a), remote_of(a));
+            c->write(out, local_of(a), remote_of(a));
           },
           local_args(local, remote)};
 }
@@ -125,14 +115,14 @@ connection_op<void> connection::write_with_imm(std::span<const std::byte> local,
   args.imm = imm;
   return {impl_.get(),
           [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
-            if (!refuse_unconnected(c, out)) c->write_with_imm(out, local_of(a), remote_of(a), a.imm);
+            c->write_with_imm(out, local_of(a), remote_of(a), a.imm);
           },
           args};
 }
 connection_op<void> connection::read(std::span<std::byte> local, remote_buffer remote) {
   return {impl_.get(),
           [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
-            if (!refuse_unconnected(c, out)) c->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
+            c->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
           },
           local_args(local, remote)};
 }
@@ -143,7 +133,7 @@ connection_op<std::uint64_t> connection::compare_and_swap(remote_buffer remote, 
   args.b = desired;
   return {impl_.get(),
           [](detail::connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
-            if (!refuse_unconnected(c, out)) c->compare_and_swap(out, remote_of(a), a.a, a.b);
+            c->compare_and_swap(out, remote_of(a), a.a, a.b);
           },
           args};
 }
@@ -152,7 +142,7 @@ connection_op<std::uint64_t> connection::fetch_and_add(remote_buffer remote, std
   args.a = add;
   return {impl_.get(),
           [](detail::connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
-            if (!refuse_unconnected(c, out)) c->fetch_and_add(out, remote_of(a), a.a);
+            c->fetch_and_add(out, remote_of(a), a.a);
           },
           args};
 }

@@ -1523,15 +1523,17 @@ class verbs_connection final : public connection_impl {
       op.suspend(h, std::move(t));
       return std::noop_coroutine();
     }
-    result<T> take() noexcept {
-      auto r = op.await_resume();
-      if (!r) return r.error();
-      if constexpr (std::is_void_v<T>)
-        return result<void>{};
-      else
-        return *r;
-    }
+    result<T> take() noexcept { return as_result<T>(op.await_resume()); }
   };
+  // posted_op yields the atomic's word (or byte_len); void operations drop it.
+  template <class T>
+  static result<T> as_result(result<std::uint64_t> r) noexcept {
+    if (!r) return r.error();
+    if constexpr (std::is_void_v<T>)
+      return result<void>{};
+    else
+      return *r;
+  }
 
   // A recv() in the awaiter's frame: takes an arrived message, or queues on
   // the connection's receivers until one is handed to it.
@@ -1588,9 +1590,7 @@ class verbs_connection final : public connection_impl {
       out.set_task(std::move(t));
   }
   static task<result<void>> drop_value(task<result<std::uint64_t>> t) {
-    auto r = co_await std::move(t);
-    if (!r) co_return r.error();
-    co_return result<void>{};
+    co_return as_result<void>(co_await std::move(t));
   }
 
   void rdma(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote, ibv_wr_opcode opcode,

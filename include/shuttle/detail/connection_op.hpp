@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <shuttle/error.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/task.hpp>
 
@@ -76,7 +77,9 @@ class op_slot {
   template <class S>
   static constexpr vtable vtable_of = {
       [](void* p) noexcept { return static_cast<S*>(p)->start(); },
-      [](void* p, std::coroutine_handle<> h, std::stop_token t) { return static_cast<S*>(p)->suspend(h, std::move(t)); },
+      [](void* p, std::coroutine_handle<> h, std::stop_token t) {
+        return static_cast<S*>(p)->suspend(h, std::move(t));
+      },
       [](void* p) { return static_cast<S*>(p)->take(); },
       [](void* p) noexcept { static_cast<S*>(p)->~S(); },
   };
@@ -131,6 +134,7 @@ struct op_args {
 template <class T>
 class [[nodiscard]] connection_op {
  public:
+  // Called with a non-null impl.
   using launch_fn = void (*)(detail::connection_impl*, const detail::op_args&, detail::op_slot<T>&);
 
   connection_op(detail::connection_impl* impl, launch_fn launch, const detail::op_args& args) noexcept
@@ -140,7 +144,10 @@ class [[nodiscard]] connection_op {
   connection_op& operator=(connection_op&&) = delete;
 
   bool await_ready() {
-    launch_(impl_, args_, slot_);
+    if (impl_)
+      launch_(impl_, args_, slot_);
+    else  // a default-constructed or moved-from connection
+      slot_.set_result(make_error_code(errc::disconnected));
     return slot_.start();
   }
   template <class P>
