@@ -40,8 +40,12 @@ shuttle_args=${5:-}
 reps=${REPS:-3}
 client_args=${CLIENT_ARGS:-}
 cd "$(dirname "$0")/.."
+# A directory with the three binaries and no build.ninja (carried to another
+# machine, e.g. one with more cores) is used as it is.
 if [ ! -d "$build" ]; then meson setup "$build" --buildtype=release >/dev/null; fi
-ninja -C "$build" examples/shuttle-echo-server examples/shuttle-echo-client bench/asio_echo_server >/dev/null
+if [ -f "$build/build.ninja" ]; then
+  ninja -C "$build" examples/shuttle-echo-server examples/shuttle-echo-client bench/asio_echo_server >/dev/null
+fi
 ulimit -n 65536 2>/dev/null || true
 pin() {  # cpus cmd...: execs cmd (pinned to cpus when set): call it in a subshell or with &
   local cpus=$1; shift
