@@ -194,6 +194,13 @@ class connection {
   // covers it (found in the domain's cache, registered on first use) or,
   // when small, inline. At most max_message_size() bytes.
   //
+  // A send completes once `msg` may be reused. On verbs a send of at most
+  // max_inline_data bytes goes inline (copied into the work request) and
+  // completes as soon as it is posted, a larger one when the peer's NIC has
+  // acknowledged it; on tcp, when the peer's provider has. A send that
+  // fails after it completed (the peer died) fails the connection: pending
+  // and later operations fail, and close() returns errc::disconnected.
+  //
   // Each single operation returns a connection_op<T> (connection_op.hpp):
   // co_await it for a result<T>, or pass it to when_all / when_any /
   // with_timeout, or convert it to task<result<T>>. Awaited directly, it
@@ -241,7 +248,9 @@ class connection {
   // more.
   task<result<void>> post_batch(std::span<const operation> ops);
 
-  // Graceful disconnect: waits for what is in flight, then tells the peer.
+  // Graceful disconnect: waits for what is in flight (inline sends
+  // included), then tells the peer; errc::disconnected if the connection
+  // failed first.
   task<result<void>> close();
 
   bool is_open() const noexcept;

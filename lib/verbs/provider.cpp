@@ -12,10 +12,12 @@
 //    receive credits as loop-local semaphores; a dying state stays in the
 //    core's graveyard until every posted WR came back (flushed), so no work
 //    completion ever names freed memory.
-//  - operations: coroutines that post one signaled WR whose wr_id is a
-//    wr_ctx living in their frame and resume (through io_context::post) when
-//    its completion is reaped. Cancellation moves the QP to error and waits
-//    for the flushed completion (NIC-safe).
+//  - operations: one signaled WR each, whose wr_id is a wr_ctx kept in the
+//    awaiting frame (connection_op.hpp); the awaiter resumes (through
+//    io_context::post) when its completion is reaped. Inline sends instead
+//    complete once posted, unsignaled but for one settling WR per quarter of
+//    the send queue (conn_state::settle). Cancellation moves the QP to error
+//    and waits for the flushed completion (NIC-safe).
 //  - credits: each side starts with the peer's posted receive count. Freed
 //    receive buffers are reposted and returned to the peer piggybacked on
 //    sends (SEND_WITH_IMM, imm = credits) or, in batches, by a zero-length
@@ -300,7 +302,9 @@ struct core final : poller, std::enable_shared_from_this<core> {
   recv_pool* srq_pool = nullptr;
   std::uint32_t srq_cap = 0;      // the SRQ's max_wr
   std::uint64_t srq_granted = 0;  // sum of the live connections' grants
-  std::map<std::uint32_t, conn_state*> srq_conns;  // qp_num -> connection
+  // qp_num -> connection, for every QP of this core: an SRQ's receive
+  // completion and an unsignaled send's error completion name only their QP.
+  std::map<std::uint32_t, conn_state*> qp_conns;
   std::size_t rx_waiters = 0;  // recv() calls waiting: a reason to keep busy-polling
 
   // Receive buffers whose messages were released, posted again at the next
@@ -395,6 +399,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   }
   void exit_interrupt_mode() override {}
   void reap_graveyard();
+  void on_unsignaled_error(const ibv_wc& wc) noexcept;
 
   result<void> srq_join(std::uint32_t grant, std::size_t slot_size);
   void srq_leave(std::uint32_t grant) noexcept { srq_granted -= grant; }
@@ -578,6 +583,19 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   std::size_t inflight_ops = 0;
   event drained;
 
+  // Inline sends complete once posted: their bytes are in the work request,
+  // so nothing waits for the NIC. They go unsignaled (wr_id 0), except every
+  // settle_every-th, which is signaled and names `settle`: its completion
+  // gives back the send-queue slots of the unsignaled ones before it (RC
+  // completes a send queue in order). An unsignaled WR comes back only with
+  // an error or a flush; poll_cq finds its connection by QP number.
+  std::uint32_t unsignaled = 0;        // inline sends posted since the last settling WR
+  std::uint32_t settle_every = 1;
+  std::deque<std::uint32_t> settling;  // slots each posted settling WR gives back, oldest first
+  struct settle_ctx : wr_ctx {
+    conn_state* c = nullptr;
+  } settle;
+
   std::uint32_t peer_slots = 0, peer_buffer = 0, max_inline = 0;
   std::uint32_t to_return = 0, ctrl_inflight = 0;
   std::vector<recv_slot*> released;  // own receive queue: buffers to post again (core::flush_reposts)
@@ -596,6 +614,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (opts.receive_buffer_size == 0) opts.receive_buffer_size = 1;
     ctrl.c = this;
     ctrl.on_wc = &on_ctrl_wc;
+    settle.c = this;
+    settle.on_wc = &on_settle_wc;
+    // A quarter of the queue: at most that many slots wait to be given back.
+    settle_every = std::max<std::uint32_t>(1, opts.send_queue_depth / 4);
     ++dom->st.live_connections;
   }
   ~conn_state() { reap(); }
@@ -661,7 +683,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (auto r = dom->srq_join(n, opts.receive_buffer_size); !r) return r;
       srq_grant = n;
     }
-    cq_reserve = static_cast<int>(opts.send_queue_depth + ctrl_reserve + n);
+    cq_reserve = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + n);
     if (dom->cq_reserved + cq_reserve > dom->cq_size) {
       int want = std::min(dom->dattr.max_cqe, std::max(dom->cq_size * 2, dom->cq_reserved + cq_reserve));
       if (want < dom->cq_reserved + cq_reserve || ibv_resize_cq(dom->cq, want) != 0) {
@@ -676,7 +698,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     a.send_cq = dom->cq;
     a.recv_cq = dom->cq;
     a.qp_type = IBV_QPT_RC;
-    a.cap.max_send_wr = opts.send_queue_depth + ctrl_reserve;
+    a.cap.max_send_wr = opts.send_queue_depth + ctrl_reserve + 1;  // + close()'s settling marker
     a.cap.max_recv_wr = srq_grant ? 0 : n;
     a.cap.max_send_sge = 1;
     a.cap.max_recv_sge = srq_grant ? 0 : 1;
@@ -692,11 +714,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     qp_num = qp->qp_num;
     max_inline = std::min(a.cap.max_inline_data, opts.max_inline_data);
     sq.release(opts.send_queue_depth);
+    dom->qp_conns[qp_num] = this;
 
     if (srq_grant) {  // the SRQ's buffers, already posted (srq_join)
       pool = dom->srq_pool;
       ++pool->refs;
-      dom->srq_conns[qp_num] = this;
     } else {
       // Receive pool, all posted now (before the peer may send).
       pool = new recv_pool;
@@ -811,7 +833,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       in_repost_list = false;
     }
     if (cm_watch) std::exchange(cm_watch, nullptr)->destroy();
-    if (qp) rdma_destroy_qp(id);
+    if (qp) {
+      auto it = dom->qp_conns.find(qp_num);
+      if (it != dom->qp_conns.end() && it->second == this) dom->qp_conns.erase(it);
+      rdma_destroy_qp(id);
+    }
     qp = nullptr;
     if (id) rdma_destroy_id(id);
     id = nullptr;
@@ -822,8 +848,6 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (dom->srq)
         for (auto& it : rx) (void)dom->post_srq(*it.slot);
       rx.clear();
-      auto it = dom->srq_conns.find(qp_num);
-      if (it != dom->srq_conns.end() && it->second == this) dom->srq_conns.erase(it);
       dom->srq_leave(std::exchange(srq_grant, 0));
     }
     if (pool) {
@@ -868,13 +892,72 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     c->maybe_send_credits();
   }
 
+  // An inline send whose slot and credit the caller holds (try_reserve):
+  // done once posted (see `settle`).
+  result<void> post_inline_send(std::span<const std::byte> msg) noexcept {
+    ibv_sge sge{reinterpret_cast<std::uintptr_t>(msg.data()), static_cast<std::uint32_t>(msg.size()), 0};
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_SEND_WITH_IMM;
+    wr.send_flags = IBV_SEND_INLINE;
+    wr.sg_list = &sge;
+    wr.num_sge = msg.empty() ? 0 : 1;
+    const std::uint32_t credits_back = std::min<std::uint32_t>(to_return, 0xffff);  // piggybacked
+    wr.imm_data = htonl(credits_back);
+    const bool settles = unsignaled + 1 >= settle_every;
+    if (settles) {
+      wr.send_flags |= IBV_SEND_SIGNALED;
+      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&settle));
+    }
+    ibv_send_wr* bad = nullptr;
+    if (int e = ibv_post_send(qp, &wr, &bad)) {
+      unreserve(true);
+      return errno_code(e);
+    }
+    to_return -= credits_back;
+    if (settles)
+      track_settling(unsignaled + 1);
+    else
+      ++unsignaled;
+    return {};
+  }
+  // close(): the unsignaled sends are settled before the disconnect, which
+  // would flush any the NIC has not sent yet. The marker is a zero-length
+  // RDMA write (IB C9-88: it names no memory and needs no rkey) on the send
+  // queue entry kept for it; it holds no slot of its own.
+  void settle_unsignaled() noexcept {
+    if (unsignaled == 0 || !usable()) return;
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&settle));
+    ibv_send_wr* bad = nullptr;
+    if (ibv_post_send(qp, &wr, &bad) != 0) return;  // the disconnect flushes what is left
+    track_settling(unsignaled);
+  }
+  void track_settling(std::uint32_t slots) {
+    settling.push_back(slots);
+    unsignaled = 0;
+    ++outstanding;
+    ++inflight_ops;
+    ++dom->inflight;
+  }
+  static void on_settle_wc(wr_ctx* w, const ibv_wc& wc) noexcept {
+    conn_state* c = static_cast<settle_ctx*>(w)->c;
+    --c->outstanding;
+    --c->dom->inflight;
+    c->sq.release(c->settling.front());
+    c->settling.pop_front();
+    if (--c->inflight_ops == 0) c->drained.set();
+    if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
+  }
+
   static void on_recv_wc(wr_ctx* w, const ibv_wc& wc) noexcept {
     auto* s = static_cast<recv_slot*>(w);
     conn_state* c = s->pool->conn;
     if (core* k = s->pool->srq_core) {
       // SRQ: the completion names the QP; a buffer nobody can take goes back.
-      auto it = k->srq_conns.find(wc.qp_num);
-      c = it == k->srq_conns.end() ? nullptr : it->second;
+      auto it = k->qp_conns.find(wc.qp_num);
+      c = it == k->qp_conns.end() ? nullptr : it->second;
       s->qp_num = wc.qp_num;
       if (!c || c->dying || !c->usable() || wc.status != IBV_WC_SUCCESS) {
         if (c && wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR)
@@ -1336,8 +1419,8 @@ void core::flush_reposts() noexcept {
   slots.swap(srq_released);
   for (recv_slot* s : slots) {
     if (!post_srq(*s)) continue;
-    auto it = srq_conns.find(s->qp_num);
-    if (it != srq_conns.end()) it->second->on_srq_credit();
+    auto it = qp_conns.find(s->qp_num);
+    if (it != qp_conns.end()) it->second->on_srq_credit();
   }
   slots.clear();
   if (srq_released.empty()) srq_released.swap(slots);
@@ -1375,7 +1458,10 @@ bool core::poll_cq() {
   int n = ibv_poll_cq(cq, 32, wc);
   for (int i = 0; i < n; ++i) {
     auto* w = reinterpret_cast<wr_ctx*>(static_cast<std::uintptr_t>(wc[i].wr_id));
-    if (w) w->on_wc(w, wc[i]);
+    if (w)
+      w->on_wc(w, wc[i]);
+    else if (wc[i].status != IBV_WC_SUCCESS && wc[i].status != IBV_WC_WR_FLUSH_ERR)
+      on_unsignaled_error(wc[i]);  // an unsignaled send failed: its connection fails
   }
   if (n > 0) {
     st.completions += static_cast<std::uint64_t>(n);
@@ -1383,6 +1469,11 @@ bool core::poll_cq() {
   }
   if (!graveyard.empty()) reap_graveyard();
   return n > 0;
+}
+
+void core::on_unsignaled_error(const ibv_wc& wc) noexcept {
+  auto it = qp_conns.find(wc.qp_num);
+  if (it != qp_conns.end()) it->second->fail(wc_error(wc.status));
 }
 
 void core::reap_graveyard() {
@@ -1416,6 +1507,10 @@ class verbs_connection final : public connection_impl {
   void send(op_slot<void>& out, std::span<const std::byte> msg) override {
     conn_state* s = s_.get();
     if (msg.size() > s->peer_buffer) return out.set_result(make_error_code(errc::message_too_long));
+    // Inline (never from device memory: the CPU copies the bytes): done once
+    // posted, if a slot and a credit are free now.
+    if (msg.size() <= s->max_inline && s->usable() && !s->dom->in_device_memory(msg) && s->try_reserve(true))
+      return out.set_result(s->post_inline_send(msg));
     auto& st = out.emplace<posted_state<void>>(s, true, false);
     st.op.wr.opcode = IBV_WR_SEND_WITH_IMM;
     finish_setup(out, st, s->local_sge(msg, false, true, st.op.wr, st.op.sge));
@@ -1488,7 +1583,8 @@ class verbs_connection final : public connection_impl {
   task<result<void>> close() override {
     auto s = s_;
     if (!s->usable()) co_return s->closed ? result<void>{} : result<void>{disconnected()};
-    s->closed = true;  // no new operations
+    s->settle_unsignaled();  // the inline sends reach the peer before the disconnect
+    s->closed = true;         // no new operations
     while (s->inflight_ops > 0 && !s->error) {
       s->drained.reset();
       if (auto r = co_await s->drained.wait(); !r) co_return r.error();
@@ -1498,6 +1594,9 @@ class verbs_connection final : public connection_impl {
       rdma_disconnect(s->id);
     }
     s->receivers.wake_all();
+    // Failed while draining: an operation or an inline send may not have
+    // reached the peer.
+    if (s->error) co_return disconnected();
     co_return result<void>{};
   }
 
