@@ -182,6 +182,24 @@ struct operation {
   static operation read(std::span<std::byte> l, remote_buffer r) noexcept { return {type::read, l, r, 0}; }
 };
 
+namespace detail {
+// Behind connection's single operations (lib/transport/transport.cpp): each
+// asks the provider to build its operation in `out` when it is awaited.
+void launch_send(connection_impl* c, const op_args& a, op_slot<void>& out);
+void launch_recv(connection_impl* c, const op_args& a, op_slot<message>& out);
+void launch_write(connection_impl* c, const op_args& a, op_slot<void>& out);
+void launch_write_with_imm(connection_impl* c, const op_args& a, op_slot<void>& out);
+void launch_read(connection_impl* c, const op_args& a, op_slot<void>& out);
+void launch_compare_and_swap(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out);
+void launch_fetch_and_add(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out);
+
+inline op_args make_op_args(std::span<const std::byte> local, remote_buffer remote = {}, std::uint32_t imm = 0,
+                            std::uint64_t a = 0, std::uint64_t b = 0) noexcept {
+  // read() alone writes `local`, and it took a writable span
+  return {const_cast<std::byte*>(local.data()), local.size(), remote.address, remote.rkey, imm, remote.length, a, b};
+}
+}  // namespace detail
+
 class connection {
  public:
   connection() noexcept;
@@ -205,18 +223,30 @@ class connection {
   // co_await it for a result<T>, or pass it to when_all / when_any /
   // with_timeout, or convert it to task<result<T>>. Awaited directly, it
   // keeps its state in the awaiting frame (no allocation on the fast path).
-  connection_op<void> send(std::span<const std::byte> msg);
+  connection_op<void> send(std::span<const std::byte> msg) {
+    return {impl_.get(), &detail::launch_send, detail::make_op_args(msg)};
+  }
   // Concurrent recv() calls on one connection are served oldest first; a
   // cancelled one takes no message.
-  connection_op<message> recv();
+  connection_op<message> recv() { return {impl_.get(), &detail::launch_recv, {}}; }
 
   // One-sided. Local memory is registered through the domain's cache.
-  connection_op<void> write(std::span<const std::byte> local, remote_buffer remote);
-  connection_op<void> write_with_imm(std::span<const std::byte> local, remote_buffer remote, std::uint32_t imm);
-  connection_op<void> read(std::span<std::byte> local, remote_buffer remote);
+  connection_op<void> write(std::span<const std::byte> local, remote_buffer remote) {
+    return {impl_.get(), &detail::launch_write, detail::make_op_args(local, remote)};
+  }
+  connection_op<void> write_with_imm(std::span<const std::byte> local, remote_buffer remote, std::uint32_t imm) {
+    return {impl_.get(), &detail::launch_write_with_imm, detail::make_op_args(local, remote, imm)};
+  }
+  connection_op<void> read(std::span<std::byte> local, remote_buffer remote) {
+    return {impl_.get(), &detail::launch_read, detail::make_op_args(local, remote)};
+  }
   // 8-byte aligned remote word; both return the value found there before.
-  connection_op<std::uint64_t> compare_and_swap(remote_buffer remote, std::uint64_t expected, std::uint64_t desired);
-  connection_op<std::uint64_t> fetch_and_add(remote_buffer remote, std::uint64_t add);
+  connection_op<std::uint64_t> compare_and_swap(remote_buffer remote, std::uint64_t expected, std::uint64_t desired) {
+    return {impl_.get(), &detail::launch_compare_and_swap, detail::make_op_args({}, remote, 0, expected, desired)};
+  }
+  connection_op<std::uint64_t> fetch_and_add(remote_buffer remote, std::uint64_t add) {
+    return {impl_.get(), &detail::launch_fetch_and_add, detail::make_op_args({}, remote, 0, add)};
+  }
 
   // A batch: the operations are posted in order as one unit and the task
   // completes when all of them have (RC order: they are performed in order,

@@ -74,78 +74,31 @@ connection& connection::operator=(connection&&) noexcept = default;
 connection::~connection() = default;
 
 // The launchers run when the operation is awaited (connection_op::await_ready).
+namespace detail {
 namespace {
-using detail::op_args;
-using detail::op_slot;
-
-op_args local_args(std::span<const std::byte> local, remote_buffer remote = {}) noexcept {
-  op_args a;
-  a.data = const_cast<std::byte*>(local.data());  // read() alone writes it, and it took a writable span
-  a.size = local.size();
-  a.address = remote.address;
-  a.rkey = remote.rkey;
-  a.length = remote.length;
-  return a;
-}
 std::span<const std::byte> local_of(const op_args& a) noexcept { return {a.data, a.size}; }
 remote_buffer remote_of(const op_args& a) noexcept { return {a.address, a.rkey, a.length}; }
-
 }  // namespace
 
-connection_op<void> connection::send(std::span<const std::byte> msg) {
-  return {impl_.get(),
-          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) { c->send(out, local_of(a)); },
-          local_args(msg)};
+void launch_send(connection_impl* c, const op_args& a, op_slot<void>& out) { c->send(out, local_of(a)); }
+void launch_recv(connection_impl* c, const op_args&, op_slot<message>& out) { c->recv(out); }
+void launch_write(connection_impl* c, const op_args& a, op_slot<void>& out) {
+  c->write(out, local_of(a), remote_of(a));
 }
-connection_op<message> connection::recv() {
-  return {impl_.get(),
-          [](detail::connection_impl* c, const op_args&, op_slot<message>& out) { c->recv(out); },
-          {}};
+void launch_write_with_imm(connection_impl* c, const op_args& a, op_slot<void>& out) {
+  c->write_with_imm(out, local_of(a), remote_of(a), a.imm);
 }
-connection_op<void> connection::write(std::span<const std::byte> local, remote_buffer remote) {
-  return {impl_.get(),
-          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
-            c->write(out, local_of(a), remote_of(a));
-          },
-          local_args(local, remote)};
+void launch_read(connection_impl* c, const op_args& a, op_slot<void>& out) {
+  c->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
 }
-connection_op<void> connection::write_with_imm(std::span<const std::byte> local, remote_buffer remote,
-                                               std::uint32_t imm) {
-  op_args args = local_args(local, remote);
-  args.imm = imm;
-  return {impl_.get(),
-          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
-            c->write_with_imm(out, local_of(a), remote_of(a), a.imm);
-          },
-          args};
+void launch_compare_and_swap(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
+  c->compare_and_swap(out, remote_of(a), a.a, a.b);
 }
-connection_op<void> connection::read(std::span<std::byte> local, remote_buffer remote) {
-  return {impl_.get(),
-          [](detail::connection_impl* c, const op_args& a, op_slot<void>& out) {
-            c->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
-          },
-          local_args(local, remote)};
+void launch_fetch_and_add(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
+  c->fetch_and_add(out, remote_of(a), a.a);
 }
-connection_op<std::uint64_t> connection::compare_and_swap(remote_buffer remote, std::uint64_t expected,
-                                                          std::uint64_t desired) {
-  op_args args = local_args({}, remote);
-  args.a = expected;
-  args.b = desired;
-  return {impl_.get(),
-          [](detail::connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
-            c->compare_and_swap(out, remote_of(a), a.a, a.b);
-          },
-          args};
-}
-connection_op<std::uint64_t> connection::fetch_and_add(remote_buffer remote, std::uint64_t add) {
-  op_args args = local_args({}, remote);
-  args.a = add;
-  return {impl_.get(),
-          [](detail::connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
-            c->fetch_and_add(out, remote_of(a), a.a);
-          },
-          args};
-}
+}  // namespace detail
+
 task<result<void>> connection::post_batch(std::span<const operation> ops) {
   return impl_ ? impl_->post_batch(ops) : not_connected<void>();
 }

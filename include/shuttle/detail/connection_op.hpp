@@ -57,15 +57,22 @@ class op_slot {
   }
   // The operation is a task (awaited as a child: continuation and stop token).
   void set_task(task<result<T>> t) { emplace<task_state>(std::move(t)); }
-  // The operation is over before it started (bad arguments, a dead connection).
-  void set_result(result<T> r) { emplace<ready_state>(std::move(r)); }
+  // The operation is over already: done when launched (an inline send),
+  // bad arguments, a dead connection. Kept as a plain result, so that such
+  // an operation makes no call through the table.
+  void set_result(result<T> r) {
+    static_assert(sizeof(result<T>) <= op_state_capacity);
+    reset();
+    ::new (static_cast<void*>(storage_)) result<T>(std::move(r));
+    ready_ = true;
+  }
 
-  bool has_state() const noexcept { return vt_ != nullptr; }
-  bool start() noexcept { return vt_->start(storage_); }
+  bool start() noexcept { return ready_ || vt_->start(storage_); }
+  // Only after start() returned false.
   std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) {
     return vt_->suspend(storage_, h, std::move(t));
   }
-  result<T> take() { return vt_->take(storage_); }
+  result<T> take() { return ready_ ? std::move(*ready_result()) : vt_->take(storage_); }
 
  private:
   struct vtable {
@@ -96,19 +103,18 @@ class op_slot {
     }
     result<T> take() { return t.handle().promise().take(); }
   };
-  struct ready_state {
-    result<T> r;
-    explicit ready_state(result<T> rr) noexcept(std::is_nothrow_move_constructible_v<result<T>>) : r(std::move(rr)) {}
-    bool start() noexcept { return true; }
-    std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token) noexcept { return h; }
-    result<T> take() { return std::move(r); }
-  };
-
+  result<T>* ready_result() noexcept { return std::launder(reinterpret_cast<result<T>*>(storage_)); }
   void reset() noexcept {
-    if (vt_) std::exchange(vt_, nullptr)->destroy(storage_);
+    if (ready_) {
+      ready_result()->~result<T>();
+      ready_ = false;
+    } else if (vt_) {
+      std::exchange(vt_, nullptr)->destroy(storage_);
+    }
   }
 
   const vtable* vt_ = nullptr;
+  bool ready_ = false;  // storage_ holds a result<T> (set_result), no state
   alignas(std::max_align_t) std::byte storage_[op_state_capacity];
 };
 
