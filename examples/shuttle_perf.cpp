@@ -64,10 +64,15 @@ T check(result<T> r, const char* what) {
   if (!r) fail(std::string(what) + ": " + r.error().message());
   if constexpr (!std::is_void_v<T>) return std::move(*r);
 }
-// As check, for the latency loops: the value stays where it is (no move).
+// As check, for the latency loops: the value stays where it is (no move),
+// and the check is a test and a branch.
+[[noreturn, gnu::noinline, gnu::cold]] void fail_with(const char* what, std::error_code ec) {
+  fail(std::string(what) + ": " + ec.message());
+}
 template <class T>
-void require(const result<T>& r, const char* what) {
-  if (!r) fail(std::string(what) + ": " + r.error().message());
+inline void require(const result<T>& r, const char* what) {
+  if (!r) [[unlikely]]
+    fail_with(what, r.error());
 }
 
 enum class test_id : std::uint32_t { write_bw = 1, read_bw, send_bw, write_lat, send_lat, read_lat, atomic };
@@ -168,21 +173,17 @@ bool has_pattern(const std::byte* p, std::size_t size) {
 // reads. Not longer: on Soft-RoCE the "NIC" is kernel softirq work that a
 // process spinning in user space starves until the next scheduler tick
 // (milliseconds); the loop's turn enters the kernel, where it can run.
+// The loops call it inline (`while (!byte_arrived(...)) co_await yield();`):
+// no coroutine of its own per iteration, as perftest's loop has none.
 bool spin_on_memory = false;
-task<void> poll_byte(const std::byte* p, std::byte v) {
+bool byte_arrived(const std::byte* p, std::byte v) noexcept {
   auto* b = reinterpret_cast<const unsigned char*>(p);
   const auto want = static_cast<unsigned char>(v);
-  for (;;) {
-    if (spin_on_memory) {
-      for (int i = 0; i < 256; ++i) {
-        if (__atomic_load_n(b, __ATOMIC_ACQUIRE) == want) co_return;
-        __builtin_ia32_pause();
-      }
-    } else if (__atomic_load_n(b, __ATOMIC_ACQUIRE) == want) {
-      co_return;
-    }
-    co_await yield();
+  for (int i = 0, n = spin_on_memory ? 256 : 1; i < n; ++i) {
+    if (__atomic_load_n(b, __ATOMIC_ACQUIRE) == want) return true;
+    __builtin_ia32_pause();
   }
+  return false;
 }
 inline std::byte lat_marker(std::uint64_t i) { return static_cast<std::byte>(i % 255 + 1); }
 
@@ -417,7 +418,7 @@ task<void> serve_one(connection c, domain& d) {
           if (msg.imm() != std::uint32_t(i) || *flag != lat_marker(i)) fail("write_lat: unexpected immediate/data");
           msg.reset();
         } else {
-          co_await poll_byte(flag, lat_marker(i));
+          while (!byte_arrived(flag, lat_marker(i))) co_await yield();
         }
         src[size - 1] = lat_marker(i);
         if (p.imm_pingpong)
@@ -621,7 +622,7 @@ task<lat_row> run_lat(client_state& s, test_id t, std::uint64_t size, std::uint6
       // As perftest: post, then poll. The write's own completion comes
       // before the peer can answer it, so waiting for it first costs nothing.
       require(co_await s.c.write(local, rb), "write (write_lat)");
-      co_await poll_byte(flag, lat_marker(i));
+      while (!byte_arrived(flag, lat_marker(i))) co_await yield();
     }
   } else if (t == test_id::send_lat) {
     for (std::uint64_t i = 0; i < total; ++i) {
