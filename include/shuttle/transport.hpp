@@ -218,6 +218,8 @@ class connection {
   // acknowledged it; on tcp, when the peer's provider has. A send that
   // fails after it completed (the peer died) fails the connection: pending
   // and later operations fail, and close() returns errc::disconnected.
+  // close() delivers completed inline sends before it disconnects; the
+  // destructor (an abort) may drop those the NIC has not sent yet.
   //
   // Each single operation returns a connection_op<T> (connection_op.hpp):
   // co_await it for a result<T>, or pass it to when_all / when_any /
