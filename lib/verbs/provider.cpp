@@ -488,6 +488,12 @@ struct core final : poller, std::enable_shared_from_this<core> {
     return memory_region(*r);
   }
 
+  void remember(const std::shared_ptr<verbs_region>& r) noexcept {
+    last_region = r;
+    last_base = reinterpret_cast<std::uintptr_t>(r->addr);
+    last_end = last_base + r->length;
+  }
+
   template <class Map>
   static std::shared_ptr<verbs_region> find_cover(Map& m, std::uintptr_t a, std::size_t len, bool need_write) {
     auto it = m.upper_bound(a);
@@ -506,15 +512,26 @@ struct core final : poller, std::enable_shared_from_this<core> {
     return nullptr;
   }
 
+  // The registration local_region found last: operations on one buffer in
+  // a row skip the map walk. Weak, as the maps' user entries: it keeps no
+  // registration alive, and one deregistered since fails the lock.
+  std::weak_ptr<verbs_region> last_region;
+  std::uintptr_t last_base = 0, last_end = 0;
+
   // A registration covering `mem` for a local sge.
   result<std::shared_ptr<verbs_region>> local_region(std::span<const std::byte> mem, bool need_write) {
     auto a = reinterpret_cast<std::uintptr_t>(mem.data());
-    if (auto sp = find_cover(user_regs, a, mem.size(), need_write)) {
-      ++st.cache_hits;
-      return sp;
+    if (a >= last_base && a <= last_end && mem.size() <= last_end - a) {
+      if (auto sp = last_region.lock(); sp && (!need_write || (sp->access & access::local_write))) {
+        ++st.cache_hits;
+        return sp;
+      }
     }
-    if (auto sp = find_cover(implicit, a, mem.size(), need_write)) {
+    auto sp = find_cover(user_regs, a, mem.size(), need_write);
+    if (!sp) sp = find_cover(implicit, a, mem.size(), need_write);
+    if (sp) {
       ++st.cache_hits;
+      remember(sp);
       return sp;
     }
     std::span<std::byte> m(const_cast<std::byte*>(mem.data()), mem.size());
@@ -523,6 +540,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
     if (!r) return r.error();
     implicit.emplace(a, *r);
     implicit_order.push_back(r->get());
+    remember(*r);
     if (implicit_order.size() > implicit_cache_max) {
       verbs_region* old = implicit_order.front();
       implicit_order.pop_front();

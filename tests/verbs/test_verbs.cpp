@@ -238,6 +238,33 @@ TEST_CASE("every operation with data verified; registration cache; inline sends"
   }());
 }
 
+// Operations on one buffer in a row find its registration without a map
+// walk (the domain remembers the last one), but that memory keeps no
+// registration alive: once the user's last memory_region is gone, the next
+// operation registers the buffer anew.
+TEST_CASE("registration cache: the last registration found is reused, and one the user dropped is not") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    pair_t p;
+    co_await make_pair(sd, cd, p);
+    std::vector<std::byte> target(1 << 16);
+    auto tmr = sd.register_memory(target, access::all).value();
+    std::vector<std::byte> local(4096);
+    std::optional<memory_region> lmr = cd.register_memory(local, access::local_write).value();
+    auto before = verbs::stats(cd).value();
+    for (int i = 0; i < 3; ++i) REQUIRE(co_await p.client.read(local, tmr.remote(0, local.size())));
+    auto after = verbs::stats(cd).value();
+    CHECK(after.registrations == before.registrations);
+    CHECK(after.cache_hits - before.cache_hits == 3);
+    lmr.reset();  // deregistered now: nothing else holds it
+    REQUIRE(co_await p.client.read(local, tmr.remote(0, local.size())));
+    CHECK(verbs::stats(cd)->registrations == after.registrations + 1);  // registered again, implicitly
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+}
+
 // Inline sends complete once posted (their bytes are in the work request):
 // they go unsignaled but for one settling completion per quarter of the
 // send queue, which gives their slots back. close() settles the last ones
