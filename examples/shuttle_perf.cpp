@@ -59,16 +59,16 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
 
+[[noreturn, gnu::noinline, gnu::cold]] void fail_with(const char* what, std::error_code ec) {
+  fail(std::string(what) + ": " + ec.message());
+}
 template <class T>
 T check(result<T> r, const char* what) {
-  if (!r) fail(std::string(what) + ": " + r.error().message());
+  if (!r) fail_with(what, r.error());
   if constexpr (!std::is_void_v<T>) return std::move(*r);
 }
 // As check, for the latency loops: the value stays where it is (no move),
 // and the check is a test and a branch.
-[[noreturn, gnu::noinline, gnu::cold]] void fail_with(const char* what, std::error_code ec) {
-  fail(std::string(what) + ": " + ec.message());
-}
 template <class T>
 inline void require(const result<T>& r, const char* what) {
   if (!r) [[unlikely]]
