@@ -40,6 +40,10 @@ class [[nodiscard]] result {
   result() = default;  // an error-free empty result; value() on it is a bug
   result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
   result(std::error_code ec) : error_(ec) {}      // NOLINT: implicit by design
+  // The value built in place (no move: a provider's hot path hands over
+  // what it received this way).
+  template <class... A>
+  explicit result(std::in_place_t, A&&... a) : value_(std::in_place, std::forward<A>(a)...) {}
 
   bool has_value() const noexcept { return !error_; }
   explicit operator bool() const noexcept { return has_value(); }

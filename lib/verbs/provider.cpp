@@ -581,16 +581,22 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   // recv() calls waiting, oldest first: an arriving message goes straight to
   // the oldest (it then owns it, whatever else calls recv() before it runs).
   struct recv_waiter : wait_node {
-    message msg;
+    rx_item item{};  // handed over, not yet a message (built where the recv() resumes)
     bool has_msg = false;
   };
   wait_list receivers;
-  // The message owns its buffer (and a reference to the pool) from here on.
-  message make_message(const rx_item& it) noexcept {
-    ++pool->refs;
+  // The message owns its buffer (and a reference to the buffer's pool) from
+  // here on; built in the result, not moved there.
+  static result<message> take_message(const rx_item& it) noexcept {
+    ++it.slot->pool->refs;
+    return adopt_message(it);
+  }
+  // The same, for a buffer whose pool reference is held already (a message
+  // handed to a waiting recv(): the connection may be gone when it resumes).
+  static result<message> adopt_message(const rx_item& it) noexcept {
     // The message's slot word is the buffer's recv_slot (see recv_pool::release).
-    return message(std::span<const std::byte>(it.slot->addr, it.len), it.imm, &recv_pool::release, pool,
-                   reinterpret_cast<std::uintptr_t>(it.slot));
+    return result<message>(std::in_place, std::span<const std::byte>(it.slot->addr, it.len), it.imm,
+                           &recv_pool::release, it.slot->pool, reinterpret_cast<std::uintptr_t>(it.slot));
   }
 
   semaphore sq{0};
@@ -1005,7 +1011,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       it.len = wc.byte_len;
     if (wait_node* n = c->receivers.wake_one()) {
       auto* w = static_cast<recv_waiter*>(n);
-      w->msg = c->make_message(it);
+      ++s->pool->refs;  // the waiter's until it builds the message (adopt_message)
+      w->item = it;
       w->has_msg = true;
     } else {
       c->rx.push_back(it);
@@ -1660,6 +1667,14 @@ class verbs_connection final : public connection_impl {
     conn_state::recv_waiter node;
     bool parked = false;
     explicit recv_state(conn_state* c) noexcept : s(c) {}
+    recv_state(const recv_state&) = delete;
+    // Taken (the common case), nothing is left. A frame destroyed while the
+    // recv waits, or after a message was handed to it, gives both back.
+    ~recv_state() {
+      if (node.list) node.list->unlink(node);
+      if (parked) --s->dom->rx_waiters;
+      if (node.has_msg) (void)conn_state::adopt_message(node.item);  // the buffer goes straight back
+    }
     bool start() noexcept {
       if (s->rx.empty()) s->dom->poll_inline();  // it may be in the CQ already (as posted_op)
       return !s->rx.empty() || s->error || s->closed || !s->established;
@@ -1678,13 +1693,13 @@ class verbs_connection final : public connection_impl {
       }
       if (node.has_msg) {
         node.has_msg = false;
-        return std::move(node.msg);
+        return conn_state::adopt_message(node.item);
       }
       if (node.cancelled) return canceled();
       if (!s->rx.empty() && s->pool) {
         auto it = s->rx.front();
         s->rx.pop_front();
-        return s->make_message(it);
+        return conn_state::take_message(it);
       }
       return disconnected();
     }
