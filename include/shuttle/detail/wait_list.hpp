@@ -67,7 +67,14 @@ class wait_list {
     if (!n) return nullptr;
     unlink(*n);
     n->stop_cb.reset();
-    n->release();
+    // Once its stop callback is gone nothing else can take a reference: a
+    // count of one is the queue's alone, so no atomic update is needed.
+    if (n->refs.load(std::memory_order_acquire) == 1) {
+      n->refs.store(0, std::memory_order_relaxed);
+      n->ctx->post(n->waiter);
+    } else {
+      n->release();  // a cancellation from another thread is on its way to this loop
+    }
     return n;
   }
   void wake_all() noexcept {
