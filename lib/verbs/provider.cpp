@@ -619,6 +619,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   struct settle_ctx : wr_ctx {
     conn_state* c = nullptr;
   } settle;
+  ibv_send_wr inline_wr{};  // post_inline_send's work request (opcode and sge set once)
+  ibv_sge inline_sge{};
 
   std::uint32_t peer_slots = 0, peer_buffer = 0, max_inline = 0;
   std::uint32_t to_return = 0, ctrl_inflight = 0;
@@ -640,6 +642,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     ctrl.on_wc = &on_ctrl_wc;
     settle.c = this;
     settle.on_wc = &on_settle_wc;
+    inline_wr.opcode = IBV_WR_SEND_WITH_IMM;
+    inline_wr.sg_list = &inline_sge;
     // A quarter of the queue: at most that many slots wait to be given back.
     settle_every = std::max<std::uint32_t>(1, opts.send_queue_depth / 4);
     ++dom->st.live_connections;
@@ -918,20 +922,18 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   // An inline send whose slot and credit the caller holds (try_reserve):
   // done once posted (see `settle`).
+  // Its work request is built once (inline_wr): a send fills in only what
+  // changes.
   result<void> post_inline_send(std::span<const std::byte> msg) noexcept {
-    ibv_sge sge{reinterpret_cast<std::uintptr_t>(msg.data()), static_cast<std::uint32_t>(msg.size()), 0};
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_SEND_WITH_IMM;
-    wr.send_flags = IBV_SEND_INLINE;
-    wr.sg_list = &sge;
+    ibv_send_wr& wr = inline_wr;
+    inline_sge.addr = reinterpret_cast<std::uintptr_t>(msg.data());
+    inline_sge.length = static_cast<std::uint32_t>(msg.size());
     wr.num_sge = msg.empty() ? 0 : 1;
     const std::uint32_t credits_back = std::min<std::uint32_t>(to_return, 0xffff);  // piggybacked
     wr.imm_data = htonl(credits_back);
     const bool settles = unsignaled + 1 >= settle_every;
-    if (settles) {
-      wr.send_flags |= IBV_SEND_SIGNALED;
-      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&settle));
-    }
+    wr.send_flags = settles ? IBV_SEND_INLINE | IBV_SEND_SIGNALED : IBV_SEND_INLINE;
+    wr.wr_id = settles ? reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&settle)) : 0;
     ibv_send_wr* bad = nullptr;
     if (int e = ibv_post_send(qp, &wr, &bad)) {
       unreserve(true);
