@@ -207,6 +207,7 @@ struct options {
   bool loop = false;
   std::uint32_t rx_depth = 512;
   std::uint64_t rx_size = 65536;
+  std::uint32_t max_inline = connection_options{}.max_inline_data;
   std::uint64_t spin_us = 5000;
   std::string lat_method = "auto";  // write_lat: poll | imm | auto (poll on verbs, imm on tcp)
 };
@@ -220,6 +221,7 @@ void usage(FILE* f) {
       "                                                                                      (client)\n"
       "common: --device NAME (verbs, e.g. rxe0)  --gid-index N (verbs)  --rx-depth N (posted receives, 512)\n"
       "        --rx-size S (bytes per receive buffer, 64K: the largest send the peer accepts)\n"
+      "        --inline N (sends up to N bytes go inline, verbs; 64; 0: none, as perftest on rxe)\n"
       "        --spin-us N (busy-poll the completion queue this long after the last completion, 5000)\n"
       "        --write-lat-method poll|imm|auto (write_lat: poll memory, or write_with_imm ping-pong;\n"
       "                                          auto: poll on verbs, imm on tcp)\n"
@@ -295,6 +297,10 @@ options parse_args(int argc, char** argv) {
     } else if (k == "--rx-depth") {
       o.rx_depth = static_cast<std::uint32_t>(parse_size(val(), "--rx-depth"));
       if (o.rx_depth == 0 || o.rx_depth > 65536) fail("--rx-depth must be in 1..65536");
+    } else if (k == "--inline") {
+      const auto v = parse_size(val(), "--inline");
+      if (v > 4096) fail("--inline: at most 4096 bytes");
+      o.max_inline = static_cast<std::uint32_t>(v);
     } else if (k == "--spin-us") {
       o.spin_us = parse_size(val(), "--spin-us");
     } else if (k == "--write-lat-method") {
@@ -336,6 +342,7 @@ connection_options conn_opts(const options& o, std::uint64_t depth) {
   c.send_queue_depth = static_cast<std::uint32_t>(std::max<std::uint64_t>(depth, 128) + 8);
   c.receive_buffers = o.rx_depth;
   c.receive_buffer_size = o.rx_size;
+  c.max_inline_data = o.max_inline;
   return c;
 }
 
