@@ -65,6 +65,10 @@ class semaphore {
     return true;
   }
   void release(std::size_t n = 1) noexcept {
+    if (waiters_.empty()) {  // the common case: no call into the wait list
+      count_ += n;
+      return;
+    }
     while (n > 0 && waiters_.wake_one()) --n;
     count_ += n;  // (a large n, e.g. to fail every waiter, costs no loop)
   }

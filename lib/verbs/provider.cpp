@@ -1710,7 +1710,7 @@ class verbs_connection final : public connection_impl {
   // After local_sge: the state posts when awaited if a send-queue slot (and
   // a credit) is free now; else a task waits for them.
   template <class T>
-  static void finish_setup(op_slot<T>& out, posted_state<T>& st, result<std::shared_ptr<verbs_region>> keep) {
+  static void finish_setup(op_slot<T>& out, posted_state<T>& st, result<std::shared_ptr<verbs_region>>&& keep) {
     if (!keep) return out.set_result(keep.error());
     conn_state* s = st.op.c;
     if (s->try_reserve(st.op.credit)) {
