@@ -305,6 +305,10 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // qp_num -> connection, for every QP of this core: an SRQ's receive
   // completion and an unsignaled send's error completion name only their QP.
   std::map<std::uint32_t, conn_state*> qp_conns;
+  conn_state* conn_of(std::uint32_t qp_num) const noexcept {
+    auto it = qp_conns.find(qp_num);
+    return it == qp_conns.end() ? nullptr : it->second;
+  }
   std::size_t rx_waiters = 0;  // recv() calls waiting: a reason to keep busy-polling
 
   // Receive buffers whose messages were released, posted again at the next
@@ -921,9 +925,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   }
 
   // An inline send whose slot and credit the caller holds (try_reserve):
-  // done once posted (see `settle`).
-  // Its work request is built once (inline_wr): a send fills in only what
-  // changes.
+  // done once posted (see `settle`). It fills in only what changes of the
+  // work request built once (inline_wr).
   result<void> post_inline_send(std::span<const std::byte> msg) noexcept {
     ibv_send_wr& wr = inline_wr;
     inline_sge.addr = reinterpret_cast<std::uintptr_t>(msg.data());
@@ -982,8 +985,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     conn_state* c = s->pool->conn;
     if (core* k = s->pool->srq_core) {
       // SRQ: the completion names the QP; a buffer nobody can take goes back.
-      auto it = k->qp_conns.find(wc.qp_num);
-      c = it == k->qp_conns.end() ? nullptr : it->second;
+      c = k->conn_of(wc.qp_num);
       s->qp_num = wc.qp_num;
       if (!c || c->dying || !c->usable() || wc.status != IBV_WC_SUCCESS) {
         if (c && wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR)
@@ -1446,8 +1448,7 @@ void core::flush_reposts() noexcept {
   slots.swap(srq_released);
   for (recv_slot* s : slots) {
     if (!post_srq(*s)) continue;
-    auto it = qp_conns.find(s->qp_num);
-    if (it != qp_conns.end()) it->second->on_srq_credit();
+    if (conn_state* c = conn_of(s->qp_num)) c->on_srq_credit();
   }
   slots.clear();
   if (srq_released.empty()) srq_released.swap(slots);
@@ -1499,8 +1500,7 @@ bool core::poll_cq() {
 }
 
 void core::on_unsignaled_error(const ibv_wc& wc) noexcept {
-  auto it = qp_conns.find(wc.qp_num);
-  if (it != qp_conns.end()) it->second->fail(wc_error(wc.status));
+  if (conn_state* c = conn_of(wc.qp_num)) c->fail(wc_error(wc.status));
 }
 
 void core::reap_graveyard() {
