@@ -144,7 +144,7 @@ struct pd_holder {
   }
 };
 
-struct verbs_region final : region_impl {
+struct verbs_region final : region_impl, std::enable_shared_from_this<verbs_region> {
   ibv_mr* mr = nullptr;
   bool device_memory = false;  // dma-buf (GPU) memory: the CPU must not read it, so never inline
   std::shared_ptr<pd_holder> pd;
@@ -494,6 +494,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
 
   void remember(const std::shared_ptr<verbs_region>& r) noexcept {
     last_region = r;
+    last_ptr = r.get();
     last_base = reinterpret_cast<std::uintptr_t>(r->addr);
     last_end = last_base + r->length;
   }
@@ -518,25 +519,34 @@ struct core final : poller, std::enable_shared_from_this<core> {
 
   // The registration local_region found last: operations on one buffer in
   // a row skip the map walk. Weak, as the maps' user entries: it keeps no
-  // registration alive, and one deregistered since fails the lock.
+  // registration alive, and one deregistered since has expired.
   std::weak_ptr<verbs_region> last_region;
+  verbs_region* last_ptr = nullptr;  // last_region's object, while it has not expired
   std::uintptr_t last_base = 0, last_end = 0;
 
-  // A registration covering `mem` for a local sge.
-  result<std::shared_ptr<verbs_region>> local_region(std::span<const std::byte> mem, bool need_write) {
+  // A registration covering `mem` for a local sge. Not a reference: the
+  // registration is alive until user code runs again (the user's handle or
+  // the implicit cache holds it), which is all an operation that completes
+  // while it is launched needs; one that waits takes a reference (hold).
+  // No reference counting on the latency path of an operation.
+  result<verbs_region*> local_region(std::span<const std::byte> mem, bool need_write) {
     auto a = reinterpret_cast<std::uintptr_t>(mem.data());
-    if (a >= last_base && a <= last_end && mem.size() <= last_end - a) {
-      if (auto sp = last_region.lock(); sp && (!need_write || (sp->access & access::local_write))) {
-        ++st.cache_hits;
-        return sp;
-      }
+    if (a >= last_base && a <= last_end && mem.size() <= last_end - a && !last_region.expired() &&
+        (!need_write || (last_ptr->access & access::local_write))) {
+      ++st.cache_hits;
+      return last_ptr;
     }
+    return find_region(mem, need_write);
+  }
+  // local_region past the last registration: the maps, else a new one.
+  [[gnu::noinline]] result<verbs_region*> find_region(std::span<const std::byte> mem, bool need_write) {
+    auto a = reinterpret_cast<std::uintptr_t>(mem.data());
     auto sp = find_cover(user_regs, a, mem.size(), need_write);
     if (!sp) sp = find_cover(implicit, a, mem.size(), need_write);
     if (sp) {
       ++st.cache_hits;
       remember(sp);
-      return sp;
+      return sp.get();
     }
     std::span<std::byte> m(const_cast<std::byte*>(mem.data()), mem.size());
     auto r = reg(m, access::local_write);
@@ -555,8 +565,10 @@ struct core final : poller, std::enable_shared_from_this<core> {
           break;
         }
     }
-    return *r;
+    return r->get();  // the implicit cache holds it
   }
+  // A reference to what local_region returned, for an operation that waits.
+  static std::shared_ptr<verbs_region> hold(verbs_region* r) { return r ? r->shared_from_this() : nullptr; }
 };
 
 // ------------------------------------------------------------------ connection state
@@ -976,7 +988,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     --c->dom->inflight;
     c->sq.release(c->settling.front());
     c->settling.pop_front();
-    if (--c->inflight_ops == 0) c->drained.set();
+    c->end_op();
     if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
   }
 
@@ -1059,6 +1071,12 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (!usable()) return;
     ++to_return;
     maybe_send_credits();
+  }
+
+  // An operation is over (its slot given back or about to be): close() waits
+  // for the last one.
+  void end_op() noexcept {
+    if (--inflight_ops == 0 && closed) drained.set();
   }
 
   // The stop callback of an operation whose work requests the NIC may hold:
@@ -1155,11 +1173,20 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         : wr(w), sge(g), credit(cr), atomic_result(atomic) {
       c = conn;
     }
-    // Filled in place by the caller (wr and sge zeroed): no copy of the WR.
-    posted_op(conn_state* conn, bool cr, bool atomic) noexcept : wr{}, sge{}, credit(cr), atomic_result(atomic) {
+    // Filled in place by the caller: no copy of the WR. Not zeroed (128
+    // bytes on every operation's path): the caller sets the fields its
+    // opcode uses (remote address, rkey, imm_data, atomic operands) and
+    // local_sge the sge; a provider reads nothing else of an RC WR.
+    posted_op(conn_state* conn, ibv_wr_opcode opcode, bool cr, bool atomic) noexcept
+        : credit(cr), atomic_result(atomic) {  // NOLINT(cppcoreguidelines-pro-type-member-init)
       c = conn;
+      wr.next = nullptr;
+      wr.opcode = opcode;
+      wr.send_flags = 0;
     }
-    bool await_ready() noexcept {
+    // Inlined into the launch (finish_setup): a call's prologue and
+    // epilogue cost a tenth of this path in an emulated guest.
+    [[gnu::always_inline]] bool await_ready() noexcept {
       if (!c->usable()) {
         post_error = -1;
         c->unreserve(credit);
@@ -1200,11 +1227,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       c->dom->poll_inline();
       return done;
     }
-    result<std::uint64_t> await_resume() noexcept {
+    [[gnu::always_inline]] result<std::uint64_t> await_resume() noexcept {
       if (post_error < 0) return disconnected();
       if (post_error > 0) return errno_code(post_error);
       if (atomic_result) c->scratch_free.push_back(slot);
-      if (--c->inflight_ops == 0) c->drained.set();
+      c->end_op();
       c->sq.release();
       if (status == IBV_WC_SUCCESS) return atomic_result ? c->scratch[slot] : byte_len;
       if (cancelled.load()) return std::make_error_code(std::errc::operation_canceled);
@@ -1390,7 +1417,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (posted > 0 && !early) dom->poll_inline();  // as in execute: it may be done already
     if (posted > 0) {
       co_await b;
-      if (--inflight_ops == 0) drained.set();
+      end_op();
     }
     for (std::size_t k = 0; k < posted; ++k) {
       ibv_wc_status st = chunks[k].early_status != IBV_WC_SUCCESS ? chunks[k].early_status : chunks[k].status;
@@ -1406,16 +1433,17 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     co_return result<void>{};
   }
 
-  // Local sge for user memory: inline when small (no registration).
-  result<std::shared_ptr<verbs_region>> local_sge(std::span<const std::byte> mem, bool need_write, bool may_inline,
-                                                  ibv_send_wr& wr, ibv_sge& sge) {
+  // Local sge for user memory: inline when small (no registration). The
+  // registration, if any, is core::local_region's (no reference).
+  [[gnu::always_inline]] result<verbs_region*> local_sge(std::span<const std::byte> mem, bool need_write,
+                                                         bool may_inline, ibv_send_wr& wr, ibv_sge& sge) {
     sge.addr = reinterpret_cast<std::uintptr_t>(mem.data());
     sge.length = static_cast<std::uint32_t>(mem.size());
-    if (mem.empty()) return std::shared_ptr<verbs_region>{};
+    if (mem.empty()) return nullptr;
     // Inline means the CPU copies the bytes into the WQE: never from GPU memory.
     if (may_inline && mem.size() <= max_inline && !dom->in_device_memory(mem)) {
       wr.send_flags |= IBV_SEND_INLINE;
-      return std::shared_ptr<verbs_region>{};
+      return nullptr;
     }
     auto r = dom->local_region(mem, need_write);
     if (!r) return r.error();
@@ -1538,8 +1566,7 @@ class verbs_connection final : public connection_impl {
     // posted, if a slot and a credit are free now.
     if (msg.size() <= s->max_inline && s->usable() && !s->dom->in_device_memory(msg) && s->try_reserve(true))
       return out.set_result(s->post_inline_send(msg));
-    auto& st = out.emplace<posted_state<void>>(s, true, false);
-    st.op.wr.opcode = IBV_WR_SEND_WITH_IMM;
+    auto& st = out.emplace<posted_state<void>>(s, IBV_WR_SEND_WITH_IMM, true, false);
     finish_setup(out, st, s->local_sge(msg, false, true, st.op.wr, st.op.sge));
   }
 
@@ -1602,7 +1629,7 @@ class verbs_connection final : public connection_impl {
       if (o.local.size() > (std::size_t(1) << 31)) co_return make_error_code(errc::message_too_long);
       auto r = s->local_sge(o.local, need_write, may_inline, wr, sges[i]);
       if (!r) co_return r.error();
-      if (*r && (keep.empty() || keep.back() != *r)) keep.push_back(std::move(*r));
+      if (*r && (keep.empty() || keep.back().get() != *r)) keep.push_back(core::hold(*r));
     }
     co_return co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep));
   }
@@ -1638,18 +1665,23 @@ class verbs_connection final : public connection_impl {
 
  private:
   // A posted work request kept in the awaiter's frame (connection_op.hpp):
-  // the latency path of every single operation allocates nothing.
+  // the latency path of every single operation allocates nothing. Posted
+  // as it is launched (finish_setup); one that completed then is settled
+  // into a plain result at once, so what is left here is in flight.
   template <class T>
   struct posted_state {
     conn_state::posted_op op;
-    std::shared_ptr<verbs_region> keep;  // the local registration, while the NIC may use it
-    posted_state(conn_state* c, bool credit, bool atomic_result) noexcept : op(c, credit, atomic_result) {}
-    bool start() noexcept { return op.await_ready(); }
+    verbs_region* region = nullptr;      // the local registration (local_region)...
+    std::shared_ptr<verbs_region> keep;  // ...held while the operation waits: the NIC may use it
+    posted_state(conn_state* c, ibv_wr_opcode opcode, bool credit, bool atomic_result) noexcept
+        : op(c, opcode, credit, atomic_result) {}
+    bool start() noexcept { return op.done; }
     std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) {
+      keep = core::hold(region);
       op.suspend(h, std::move(t));
       return std::noop_coroutine();
     }
-    result<T> take() noexcept { return as_result<T>(op.await_resume()); }
+    [[gnu::always_inline]] result<T> take() noexcept { return as_result<T>(op.await_resume()); }
   };
   // posted_op yields the atomic's word (or byte_len); void operations drop it.
   template <class T>
@@ -1707,17 +1739,23 @@ class verbs_connection final : public connection_impl {
     }
   };
 
-  // After local_sge: the state posts when awaited if a send-queue slot (and
-  // a credit) is free now; else a task waits for them.
+  // After local_sge: posts now if a send-queue slot (and a credit) is free,
+  // else a task waits for them. Launching is followed at once by the await
+  // (connection_op::await_ready), so posting here is posting when awaited;
+  // an operation that completed already (Soft-RoCE runs a read inside
+  // ibv_post_send) ends as a plain result, with no call through the slot's
+  // table to start, take or destroy it.
   template <class T>
-  static void finish_setup(op_slot<T>& out, posted_state<T>& st, result<std::shared_ptr<verbs_region>>&& keep) {
-    if (!keep) return out.set_result(keep.error());
+  [[gnu::always_inline]] static void finish_setup(op_slot<T>& out, posted_state<T>& st,
+                                                 result<verbs_region*> region) {
+    if (!region) return out.set_result(region.error());
     conn_state* s = st.op.c;
     if (s->try_reserve(st.op.credit)) {
-      st.keep = std::move(*keep);
+      st.region = *region;
+      if (st.op.await_ready()) out.settle(st, st.take());
       return;
     }
-    auto t = s->execute(st.op.wr, st.op.sge, st.op.credit, st.op.atomic_result, std::move(*keep));
+    auto t = s->execute(st.op.wr, st.op.sge, st.op.credit, st.op.atomic_result, core::hold(*region));
     if constexpr (std::is_void_v<T>)
       out.set_task(drop_value(std::move(t)));
     else
@@ -1727,12 +1765,13 @@ class verbs_connection final : public connection_impl {
     co_return as_result<void>(co_await std::move(t));
   }
 
-  void rdma(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote, ibv_wr_opcode opcode,
-            std::uint32_t imm, bool credit) {
+  // Inlined (as finish_setup, local_sge and posted_op's steps): the launch
+  // of a one-sided operation is one function, one prologue.
+  [[gnu::always_inline]] void rdma(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
+                                   ibv_wr_opcode opcode, std::uint32_t imm, bool credit) {
     conn_state* s = s_.get();
-    auto& st = out.emplace<posted_state<void>>(s, credit, false);
+    auto& st = out.emplace<posted_state<void>>(s, opcode, credit, false);
     ibv_send_wr& wr = st.op.wr;
-    wr.opcode = opcode;
     wr.wr.rdma.remote_addr = remote.address;
     wr.wr.rdma.rkey = remote.rkey;
     if (opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = htonl(imm);
@@ -1744,14 +1783,13 @@ class verbs_connection final : public connection_impl {
               std::uint64_t b) {
     conn_state* s = s_.get();
     if (remote.address % 8 != 0) return out.set_result(std::make_error_code(std::errc::invalid_argument));
-    auto& st = out.emplace<posted_state<std::uint64_t>>(s, false, true);
+    auto& st = out.emplace<posted_state<std::uint64_t>>(s, opcode, false, true);
     ibv_send_wr& wr = st.op.wr;
-    wr.opcode = opcode;
     wr.wr.atomic.remote_addr = remote.address;
     wr.wr.atomic.rkey = remote.rkey;
     wr.wr.atomic.compare_add = a;
     wr.wr.atomic.swap = b;
-    finish_setup(out, st, std::shared_ptr<verbs_region>{});
+    finish_setup(out, st, nullptr);
   }
 
   std::shared_ptr<conn_state> s_;

@@ -67,6 +67,17 @@ class op_slot {
     ready_ = true;
   }
 
+  // The provider ends its state `s` (this slot's) early with the outcome:
+  // an operation that completed while it was launched. start() and take()
+  // then make no call through the table.
+  template <class S>
+  void settle(S& s, result<T> r) noexcept {
+    s.~S();
+    vt_ = nullptr;
+    ::new (static_cast<void*>(storage_)) result<T>(std::move(r));
+    ready_ = true;
+  }
+
   bool start() noexcept { return ready_ || vt_->start(storage_); }
   // Only after start() returned false.
   std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) {
