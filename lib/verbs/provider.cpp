@@ -365,28 +365,29 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // that spins for completions notices one sooner (and, in an emulated
   // guest, runs far less code per look).
   bool poll() override {
-    inline_polls = 0;
+    inline_wrs = 0;
     if (!repost_conns.empty() || !srq_released.empty()) flush_reposts();
     for (int i = 0; i < empty_polls_per_turn; ++i)
       if (poll_cq()) return true;
     return false;
   }
   static constexpr int empty_polls_per_turn = 8;
-  // A look at the CQ from an operation (see finish_setup). At most 32
-  // between two turns of the loop: an operation that completes at once does
-  // not suspend, so a coroutine issuing them in a row would otherwise never
-  // let the loop (its timers, the other coroutines) run. 32 small operations
-  // are ~100 us on a NIC; every suspension costs this path two reference
-  // counts and a turn of the loop (8: 30 user-space instructions more per
-  // read_lat round trip).
-  void poll_inline() {
-    if (inline_polls < max_inline_polls) {
-      ++inline_polls;
+  // A look at the CQ from an operation of `wrs` work requests just posted
+  // (see finish_setup). For at most 32 work requests between two turns of
+  // the loop: an operation that completes at once does not suspend, so a
+  // coroutine issuing them in a row would otherwise never let the loop (its
+  // timers, the other coroutines) run. 32 small operations are ~100 us on a
+  // NIC; a suspension costs the latency path two reference counts and a turn
+  // of the loop (at 8: 30 user-space instructions more per read_lat round
+  // trip). A batch counts its work requests.
+  void poll_inline(unsigned wrs = 1) {
+    if (inline_wrs < max_inline_wrs) {
+      inline_wrs += wrs;
       poll_cq();
     }
   }
-  static constexpr unsigned max_inline_polls = 32;
-  unsigned inline_polls = 0;
+  static constexpr unsigned max_inline_wrs = 32;
+  unsigned inline_wrs = 0;
   bool poll_cq();
   bool try_enter_interrupt_mode() override {
     if (!repost_conns.empty() || !srq_released.empty()) flush_reposts();  // never sleep on unposted buffers
@@ -1417,7 +1418,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (posted++ == 0) ++inflight_ops;
       first = end;
     }
-    if (posted > 0 && !early) dom->poll_inline();  // as in execute: it may be done already
+    if (posted > 0 && !early) dom->poll_inline(static_cast<unsigned>(wrs.size()));  // it may be done already
     if (posted > 0) {
       co_await b;
       end_op();
