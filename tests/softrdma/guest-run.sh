@@ -126,7 +126,10 @@ exec 9>&-
 find "$CACHE/runs" -mindepth 1 -maxdepth 1 -mmin +1440 -exec rm -rf {} + 2>/dev/null
 cleanup() { if [ "${SHUTTLE_SOFTRDMA_KEEP:-0}" = 1 ]; then echo "guest-run.sh: logs in $RUN" >&2; else rm -rf "$RUN"; fi; }
 trap cleanup EXIT
-trap 'exit 130' INT; trap 'exit 143' TERM   # interrupted: neither a skip nor CMD's status
+# Interrupted: neither a skip nor CMD's status. Killed by a test harness's
+# timeout, it shows what CMD had written (the guest writes it as it goes).
+trap 'exit 130' INT
+trap 'cat "${RUN:-/nonexistent}/res/output" 2>/dev/null; echo "guest-run.sh: terminated" >&2; exit 143' TERM
 
 mkdir "$RUN/res"
 { printf 'cd %q || exit 125\n' "$PWD"
