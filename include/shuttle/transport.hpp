@@ -183,15 +183,24 @@ struct operation {
 };
 
 namespace detail {
-// Behind connection's single operations (lib/transport/transport.cpp): each
-// asks the provider to build its operation in `out` when it is awaited.
-void launch_send(connection_impl* c, const op_args& a, op_slot<void>& out);
-void launch_recv(connection_impl* c, const op_args& a, op_slot<message>& out);
-void launch_write(connection_impl* c, const op_args& a, op_slot<void>& out);
-void launch_write_with_imm(connection_impl* c, const op_args& a, op_slot<void>& out);
-void launch_read(connection_impl* c, const op_args& a, op_slot<void>& out);
-void launch_compare_and_swap(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out);
-void launch_fetch_and_add(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out);
+// A provider's single operations: connection_op::await_ready calls the
+// entry straight into the provider's code (one indirect call from co_await),
+// which builds the operation in `out` (connection_op.hpp). A provider fills
+// its table with launch_table_of (transport_impl.hpp).
+template <class T>
+using launch_fn = void (*)(connection_impl* c, const op_args& a, op_slot<T>& out);
+struct launch_table {
+  launch_fn<void> send;
+  launch_fn<message> recv;
+  launch_fn<void> write;
+  launch_fn<void> write_with_imm;
+  launch_fn<void> read;
+  launch_fn<std::uint64_t> compare_and_swap;
+  launch_fn<std::uint64_t> fetch_and_add;
+};
+// A connection without a provider (default-constructed, moved from): each
+// operation fails with errc::disconnected.
+extern const launch_table no_connection_ops;
 
 inline op_args make_op_args(std::span<const std::byte> local, remote_buffer remote = {}, std::uint32_t imm = 0,
                             std::uint64_t a = 0, std::uint64_t b = 0) noexcept {
@@ -226,28 +235,28 @@ class connection {
   // with_timeout, or convert it to task<result<T>>. Awaited directly, it
   // keeps its state in the awaiting frame (no allocation on the fast path).
   connection_op<void> send(std::span<const std::byte> msg) {
-    return {impl_.get(), &detail::launch_send, detail::make_op_args(msg)};
+    return {impl_.get(), ops_->send, detail::make_op_args(msg)};
   }
   // Concurrent recv() calls on one connection are served oldest first; a
   // cancelled one takes no message.
-  connection_op<message> recv() { return {impl_.get(), &detail::launch_recv, {}}; }
+  connection_op<message> recv() { return {impl_.get(), ops_->recv, {}}; }
 
   // One-sided. Local memory is registered through the domain's cache.
   connection_op<void> write(std::span<const std::byte> local, remote_buffer remote) {
-    return {impl_.get(), &detail::launch_write, detail::make_op_args(local, remote)};
+    return {impl_.get(), ops_->write, detail::make_op_args(local, remote)};
   }
   connection_op<void> write_with_imm(std::span<const std::byte> local, remote_buffer remote, std::uint32_t imm) {
-    return {impl_.get(), &detail::launch_write_with_imm, detail::make_op_args(local, remote, imm)};
+    return {impl_.get(), ops_->write_with_imm, detail::make_op_args(local, remote, imm)};
   }
   connection_op<void> read(std::span<std::byte> local, remote_buffer remote) {
-    return {impl_.get(), &detail::launch_read, detail::make_op_args(local, remote)};
+    return {impl_.get(), ops_->read, detail::make_op_args(local, remote)};
   }
   // 8-byte aligned remote word; both return the value found there before.
   connection_op<std::uint64_t> compare_and_swap(remote_buffer remote, std::uint64_t expected, std::uint64_t desired) {
-    return {impl_.get(), &detail::launch_compare_and_swap, detail::make_op_args({}, remote, 0, expected, desired)};
+    return {impl_.get(), ops_->compare_and_swap, detail::make_op_args({}, remote, 0, expected, desired)};
   }
   connection_op<std::uint64_t> fetch_and_add(remote_buffer remote, std::uint64_t add) {
-    return {impl_.get(), &detail::launch_fetch_and_add, detail::make_op_args({}, remote, 0, add)};
+    return {impl_.get(), ops_->fetch_and_add, detail::make_op_args({}, remote, 0, add)};
   }
 
   // A batch: the operations are posted in order as one unit and the task
@@ -293,6 +302,7 @@ class connection {
 
  private:
   std::unique_ptr<detail::connection_impl> impl_;
+  const detail::launch_table* ops_;  // impl_'s, or no_connection_ops
 };
 
 class listener {

@@ -731,28 +731,29 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
 
 class tcp_connection final : public connection_impl {
  public:
-  explicit tcp_connection(std::shared_ptr<conn_state> s) noexcept : s_(std::move(s)) {}
+  explicit tcp_connection(std::shared_ptr<conn_state> s) noexcept
+      : connection_impl(launch_table_of<tcp_connection>), s_(std::move(s)) {}
   ~tcp_connection() override { s_->enter_error(err(errc::disconnected)); }
 
   // The tcp provider's operations stay coroutines: next to a socket round
   // trip, their frames cost nothing measurable.
-  void send(op_slot<void>& out, std::span<const std::byte> msg) override { out.set_task(send_task(msg)); }
-  void recv(op_slot<message>& out) override { out.set_task(recv_task()); }
-  void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) override {
+  void send(op_slot<void>& out, std::span<const std::byte> msg) { out.set_task(send_task(msg)); }
+  void recv(op_slot<message>& out) { out.set_task(recv_task()); }
+  void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) {
     out.set_task(write_task(local, remote));
   }
   void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
-                      std::uint32_t imm) override {
+                      std::uint32_t imm) {
     out.set_task(write_with_imm_task(local, remote, imm));
   }
-  void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) override {
+  void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) {
     out.set_task(read_task(local, remote));
   }
   void compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
-                        std::uint64_t desired) override {
+                        std::uint64_t desired) {
     out.set_task(compare_and_swap_task(remote, expected, desired));
   }
-  void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) override {
+  void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) {
     out.set_task(fetch_and_add_task(remote, add));
   }
   task<result<void>> post_batch(std::span<const operation> ops) override {

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace shuttle {
 
@@ -67,37 +68,32 @@ task<result<T>> not_connected() {
 }
 }  // namespace
 
-connection::connection() noexcept = default;
-connection::connection(std::unique_ptr<detail::connection_impl> impl) noexcept : impl_(std::move(impl)) {}
-connection::connection(connection&&) noexcept = default;
-connection& connection::operator=(connection&&) noexcept = default;
-connection::~connection() = default;
-
-// The launchers run when the operation is awaited (connection_op::await_ready).
 namespace detail {
 namespace {
-std::span<const std::byte> local_of(const op_args& a) noexcept { return {a.data, a.size}; }
-remote_buffer remote_of(const op_args& a) noexcept { return {a.address, a.rkey, a.length}; }
+template <class T>
+void fail_disconnected(connection_impl*, const op_args&, op_slot<T>& out) {
+  out.set_result(make_error_code(errc::disconnected));
+}
 }  // namespace
-
-void launch_send(connection_impl* c, const op_args& a, op_slot<void>& out) { c->send(out, local_of(a)); }
-void launch_recv(connection_impl* c, const op_args&, op_slot<message>& out) { c->recv(out); }
-void launch_write(connection_impl* c, const op_args& a, op_slot<void>& out) {
-  c->write(out, local_of(a), remote_of(a));
-}
-void launch_write_with_imm(connection_impl* c, const op_args& a, op_slot<void>& out) {
-  c->write_with_imm(out, local_of(a), remote_of(a), a.imm);
-}
-void launch_read(connection_impl* c, const op_args& a, op_slot<void>& out) {
-  c->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
-}
-void launch_compare_and_swap(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
-  c->compare_and_swap(out, remote_of(a), a.a, a.b);
-}
-void launch_fetch_and_add(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
-  c->fetch_and_add(out, remote_of(a), a.a);
-}
+const launch_table no_connection_ops = {fail_disconnected<void>, fail_disconnected<message>,
+                                        fail_disconnected<void>, fail_disconnected<void>,
+                                        fail_disconnected<void>, fail_disconnected<std::uint64_t>,
+                                        fail_disconnected<std::uint64_t>};
 }  // namespace detail
+
+connection::connection() noexcept : ops_(&detail::no_connection_ops) {}
+connection::connection(std::unique_ptr<detail::connection_impl> impl) noexcept
+    : impl_(std::move(impl)), ops_(impl_ ? &impl_->ops : &detail::no_connection_ops) {}
+connection::connection(connection&& o) noexcept
+    : impl_(std::move(o.impl_)), ops_(std::exchange(o.ops_, &detail::no_connection_ops)) {}
+connection& connection::operator=(connection&& o) noexcept {
+  if (this != &o) {
+    impl_ = std::move(o.impl_);
+    ops_ = std::exchange(o.ops_, &detail::no_connection_ops);
+  }
+  return *this;
+}
+connection::~connection() = default;
 
 task<result<void>> connection::post_batch(std::span<const operation> ops) {
   return impl_ ? impl_->post_batch(ops) : not_connected<void>();

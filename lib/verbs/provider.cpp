@@ -1557,13 +1557,16 @@ void core::reap_graveyard() {
 
 class verbs_connection final : public connection_impl {
  public:
-  explicit verbs_connection(std::shared_ptr<conn_state> s) : s_(std::move(s)) {}
+  explicit verbs_connection(std::shared_ptr<conn_state> s)
+      : connection_impl(launch_table_of<verbs_connection>), s_(std::move(s)) {}
   ~verbs_connection() override { s_->shutdown(); }
 
-  // Operations use the state through a plain pointer: the caller keeps the
+  // The single operations (launch_table_of): each is inlined into its
+  // table entry, so that co_await reaches ibv_post_send through one call.
+  // They use the state through a plain pointer: the caller keeps the
   // connection alive for the call, and whatever waits (posted_op, execute,
   // a receive) holds a reference for as long as it waits.
-  void send(op_slot<void>& out, std::span<const std::byte> msg) override {
+  [[gnu::always_inline]] void send(op_slot<void>& out, std::span<const std::byte> msg) {
     conn_state* s = s_.get();
     if (msg.size() > s->peer_buffer) return out.set_result(make_error_code(errc::message_too_long));
     // Inline (never from device memory: the CPU copies the bytes): done once
@@ -1574,23 +1577,23 @@ class verbs_connection final : public connection_impl {
     finish_setup(out, st, s->local_sge(msg, false, true, st.op.wr, st.op.sge));
   }
 
-  void recv(op_slot<message>& out) override { out.emplace<recv_state>(s_.get()); }
+  void recv(op_slot<message>& out) { out.emplace<recv_state>(s_.get()); }
 
-  void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) override {
+  [[gnu::always_inline]] void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) {
     rdma(out, local, remote, IBV_WR_RDMA_WRITE, 0, false);
   }
-  void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
-                      std::uint32_t imm) override {
+  [[gnu::always_inline]] void write_with_imm(op_slot<void>& out, std::span<const std::byte> local,
+                                             remote_buffer remote, std::uint32_t imm) {
     rdma(out, local, remote, IBV_WR_RDMA_WRITE_WITH_IMM, imm, true);
   }
-  void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) override {
+  [[gnu::always_inline]] void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) {
     rdma(out, local, remote, IBV_WR_RDMA_READ, 0, false);
   }
   void compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
-                        std::uint64_t desired) override {
+                        std::uint64_t desired) {
     atomic(out, remote, IBV_WR_ATOMIC_CMP_AND_SWP, expected, desired);
   }
-  void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) override {
+  void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) {
     atomic(out, remote, IBV_WR_ATOMIC_FETCH_AND_ADD, add, 0);
   }
 

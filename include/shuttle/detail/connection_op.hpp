@@ -151,10 +151,9 @@ struct op_args {
 template <class T>
 class [[nodiscard]] connection_op {
  public:
-  // Called with a non-null impl.
-  using launch_fn = void (*)(detail::connection_impl*, const detail::op_args&, detail::op_slot<T>&);
-
-  connection_op(detail::connection_impl* impl, launch_fn launch, const detail::op_args& args) noexcept
+  connection_op(detail::connection_impl* impl, void (*launch)(detail::connection_impl*, const detail::op_args&,
+                                                            detail::op_slot<T>&),
+                const detail::op_args& args) noexcept
       : impl_(impl), launch_(launch), args_(args) {}
   // Only before it is awaited: a started operation's state lives here.
   connection_op(connection_op&& o) noexcept : impl_(o.impl_), launch_(o.launch_), args_(o.args_) {}
@@ -163,10 +162,7 @@ class [[nodiscard]] connection_op {
   // Inlined into the awaiting coroutine (compilers seldom inline into one):
   // a call less on every operation's path.
   [[gnu::always_inline]] bool await_ready() {
-    if (impl_)
-      launch_(impl_, args_, slot_);
-    else  // a default-constructed or moved-from connection
-      slot_.set_result(make_error_code(errc::disconnected));
+    launch_(impl_, args_, slot_);
     return slot_.start();
   }
   template <class P>
@@ -178,8 +174,8 @@ class [[nodiscard]] connection_op {
   operator task<result<T>>() && { return as_task(std::move(*this)); }  // NOLINT: implicit by design
 
  private:
-  detail::connection_impl* impl_;
-  launch_fn launch_;
+  detail::connection_impl* impl_;  // null for a connection without a provider
+  void (*launch_)(detail::connection_impl*, const detail::op_args&, detail::op_slot<T>&);
   detail::op_args args_;
   detail::op_slot<T> slot_;
 };

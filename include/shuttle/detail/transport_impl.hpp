@@ -16,26 +16,56 @@ class region_impl {
   std::uint32_t rkey = 0;
 };
 
+// The single operations are not virtual: a provider hands its table to the
+// constructor (launch_table_of), and connection_op calls into it directly.
 class connection_impl {
  public:
+  explicit connection_impl(const launch_table& single_ops) noexcept : ops(single_ops) {}
   virtual ~connection_impl() = default;
-  // The single operations build their state in `out` (connection_op.hpp):
-  // a frame-free state of the provider's own, or set_task / set_result.
-  virtual void send(op_slot<void>& out, std::span<const std::byte> msg) = 0;
-  virtual void recv(op_slot<message>& out) = 0;
-  virtual void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) = 0;
-  virtual void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
-                              std::uint32_t imm) = 0;
-  virtual void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) = 0;
-  virtual void compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
-                                std::uint64_t desired) = 0;
-  virtual void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) = 0;
+  const launch_table& ops;
   virtual task<result<void>> post_batch(std::span<const operation> ops) = 0;
   virtual task<result<void>> close() = 0;
   virtual bool is_open() const noexcept = 0;
   virtual transport_kind kind() const noexcept = 0;
   virtual std::size_t max_message_size() const noexcept = 0;
   virtual endpoint remote_endpoint() const noexcept = 0;
+};
+
+inline std::span<const std::byte> local_of(const op_args& a) noexcept { return {a.data, a.size}; }
+inline remote_buffer remote_of(const op_args& a) noexcept { return {a.address, a.rkey, a.length}; }
+
+// The table of a provider's connection type C, whose members build each
+// single operation in `out` (as a frame-free state of the provider's own,
+// or with set_task / set_result):
+//   void send(op_slot<void>& out, std::span<const std::byte> msg);
+//   void recv(op_slot<message>& out);
+//   void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote);
+//   void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
+//                       std::uint32_t imm);
+//   void read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote);
+//   void compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
+//                         std::uint64_t desired);
+//   void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add);
+// Each entry is one function: C's member inlined into it where C wants.
+template <class C>
+inline constexpr launch_table launch_table_of = {
+    [](connection_impl* c, const op_args& a, op_slot<void>& out) { static_cast<C*>(c)->send(out, local_of(a)); },
+    [](connection_impl* c, const op_args&, op_slot<message>& out) { static_cast<C*>(c)->recv(out); },
+    [](connection_impl* c, const op_args& a, op_slot<void>& out) {
+      static_cast<C*>(c)->write(out, local_of(a), remote_of(a));
+    },
+    [](connection_impl* c, const op_args& a, op_slot<void>& out) {
+      static_cast<C*>(c)->write_with_imm(out, local_of(a), remote_of(a), a.imm);
+    },
+    [](connection_impl* c, const op_args& a, op_slot<void>& out) {
+      static_cast<C*>(c)->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
+    },
+    [](connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
+      static_cast<C*>(c)->compare_and_swap(out, remote_of(a), a.a, a.b);
+    },
+    [](connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
+      static_cast<C*>(c)->fetch_and_add(out, remote_of(a), a.a);
+    },
 };
 
 class listener_impl {
