@@ -380,15 +380,18 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // NIC; a suspension costs the latency path two reference counts and a turn
   // of the loop (at 8: 30 user-space instructions more per read_lat round
   // trip). A batch counts its work requests.
-  void poll_inline(unsigned wrs = 1) {
+  [[gnu::always_inline]] void poll_inline(unsigned wrs = 1) {
     if (inline_wrs < max_inline_wrs) {
       inline_wrs += wrs;
-      poll_cq();
+      poll_cq_inlined();
     }
   }
   static constexpr unsigned max_inline_wrs = 32;
   unsigned inline_wrs = 0;
   bool poll_cq();
+  // poll_cq's body, inlined into each operation's launch (poll_inline) as
+  // well: a call and an indirect call less on the latency path.
+  [[gnu::always_inline]] inline bool poll_cq_inlined();
   bool try_enter_interrupt_mode() override {
     if (!repost_conns.empty() || !srq_released.empty()) flush_reposts();  // never sleep on unposted buffers
     if (inflight > 0 || rx_waiters > 0) {
@@ -587,6 +590,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   int cq_reserve = 0;
 
   bool established = false, closed = false, error = false, qp_err = false, dying = false, reaped = false;
+  bool usable_ = false;  // usable()
   bool disconnect_sent = false, woken = false;
   std::deque<cm_evt> events;
   event cm_event;
@@ -760,6 +764,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     }
     qp = id->qp;
     qp_num = qp->qp_num;
+    refresh_usable();
     max_inline = std::min(a.cap.max_inline_data, opts.max_inline_data);
     sq.release(opts.send_queue_depth);
     dom->qp_conns[qp_num] = this;
@@ -831,12 +836,14 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   void on_established() {
     established = true;
+    refresh_usable();
     credits.release(peer_slots);
   }
 
   // Terminal: pending and later operations fail; the QP is flushed.
   void fail(std::error_code) {
     error = true;
+    refresh_usable();
     if (established && !disconnect_sent && id) {
       disconnect_sent = true;
       rdma_disconnect(id);  // tells the peer; moves the QP to error
@@ -887,6 +894,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       rdma_destroy_qp(id);
     }
     qp = nullptr;
+    refresh_usable();
     if (id) rdma_destroy_id(id);
     id = nullptr;
     if (ech) rdma_destroy_event_channel(ech);
@@ -909,7 +917,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     --dom->st.live_connections;
   }
 
-  bool usable() const noexcept { return established && !error && !closed && qp; }
+  // Operations may be posted: kept as one flag (refresh_usable after each
+  // of its four inputs changes), tested once per operation.
+  bool usable() const noexcept { return usable_; }
+  void refresh_usable() noexcept { usable_ = established && !error && !closed && qp; }
 
   // Credits: freed receive buffers go back to the peer.
   void maybe_send_credits() {
@@ -1133,16 +1144,16 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     }
     void await_resume() const noexcept {}
 
-    static void on_complete(wr_ctx* w, const ibv_wc& wc) noexcept {
-      auto* o = static_cast<op_wait*>(w);
-      o->status = wc.status;
-      o->byte_len = wc.byte_len;
-      o->done = true;
-      --o->c->outstanding;
-      --o->c->dom->inflight;
-      if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) o->c->fail(verbs::make_wc_error(wc.status));
-      o->scb.reset();
-      if (o->h) o->ctx->post(o->h);
+    static void on_complete(wr_ctx* w, const ibv_wc& wc) noexcept { static_cast<op_wait*>(w)->complete(wc); }
+    [[gnu::always_inline]] void complete(const ibv_wc& wc) noexcept {  // also inlined into core::poll_cq
+      status = wc.status;
+      byte_len = wc.byte_len;
+      done = true;
+      --c->outstanding;
+      --c->dom->inflight;
+      if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
+      scb.reset();
+      if (h) ctx->post(h);
     }
   };
 
@@ -1513,12 +1524,14 @@ result<void> core::srq_join(std::uint32_t grant, std::size_t slot_size) {
   return {};
 }
 
-bool core::poll_cq() {
+bool core::poll_cq_inlined() {
   ibv_wc wc[32];
   int n = ibv_poll_cq(cq, 32, wc);
   for (int i = 0; i < n; ++i) {
     auto* w = reinterpret_cast<wr_ctx*>(static_cast<std::uintptr_t>(wc[i].wr_id));
-    if (w)
+    if (w && w->on_wc == &conn_state::op_wait::on_complete)  // a single operation's: the common case
+      static_cast<conn_state::op_wait*>(w)->complete(wc[i]);
+    else if (w)
       w->on_wc(w, wc[i]);
     else if (wc[i].status != IBV_WC_SUCCESS && wc[i].status != IBV_WC_WR_FLUSH_ERR)
       on_unsignaled_error(wc[i]);  // an unsignaled send failed: its connection fails
@@ -1530,6 +1543,7 @@ bool core::poll_cq() {
   if (!graveyard.empty()) reap_graveyard();
   return n > 0;
 }
+bool core::poll_cq() { return poll_cq_inlined(); }
 
 void core::on_unsignaled_error(const ibv_wc& wc) noexcept {
   if (conn_state* c = conn_of(wc.qp_num)) c->fail(wc_error(wc.status));
@@ -1646,6 +1660,7 @@ class verbs_connection final : public connection_impl {
     if (!s->usable()) co_return s->closed ? result<void>{} : result<void>{disconnected()};
     s->settle_unsignaled();  // the inline sends reach the peer before the disconnect
     s->closed = true;         // no new operations
+    s->refresh_usable();
     while (s->inflight_ops > 0 && !s->error) {
       s->drained.reset();
       if (auto r = co_await s->drained.wait(); !r) co_return r.error();
