@@ -78,7 +78,10 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
   shuttle_extra=  # options for both shuttle-perf sides (see the latency rows)
   printf "%-9s %-7s %-6s %12s %12s %8s %15s %13s %8s %s\n" test bytes metric shuttle perftest ratio "(ratio range)" "90% CI" target verdict
   flip=0
-  median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
+  # Of the finite values: a run that failed gives nan, and perftest at times
+  # prints inf (its cycle-to-usec calibration came out 0 in the guest).
+  finite() { printf '%s\n' "$@" | grep -Eiv 'nan|inf' || true; }
+  median() { finite "$@" | sort -g | awk '{a[NR]=$1} END {print NR == 0 ? "nan" : NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
   # One row: REPS pairs of runs (the order alternating), each pair's
   # shuttle/perftest ratio; the row prints each tool's median, the median
   # of the pair ratios (the verdict) and their range. A TCG guest on a
@@ -103,7 +106,8 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     done
     local r v sm pm lo hi ci cl ch
     sm=$(median "${svals[@]}") pm=$(median "${pvals[@]}") r=$(median "${rvals[@]}")
-    lo=$(printf '%s\n' "${rvals[@]}" | sort -g | head -1) hi=$(printf '%s\n' "${rvals[@]}" | sort -g | tail -1)
+    lo=$(finite "${rvals[@]}" | sort -g | head -1) hi=$(finite "${rvals[@]}" | sort -g | tail -1)
+    local invalid=$((${#rvals[@]} - $(finite "${rvals[@]}" | wc -l)))
     # (No process substitution: the guest has no /dev/fd.)
     ci=$(python3 "$here/median_ci.py" "${rvals[@]}")
     read -r _ cl ch <<<"$ci"
@@ -113,6 +117,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     if [ $metric = usec ]; then
       v="$v min $(median "${smins[@]}")/$(median "${pmins[@]}")"
     fi
+    [ $invalid -gt 0 ] && v="$v ($invalid of $reps pairs without a result: left out)"
     printf "%-9s %-7s %-6s %12s %12s %8s %15s %13s %8s %s\n" $name $size $metric "$sm" "$pm" "$r" "($lo-$hi)" "$cl-$ch" "$op$target" "$v"
     [ -n "${VERBOSE:-}" ] && echo "  # $name $size: shuttle ${svals[*]} | perftest ${pvals[*]} | ratios ${rvals[*]}"
     true
