@@ -187,8 +187,6 @@ namespace detail {
 // entry straight into the provider's code (one indirect call from co_await),
 // which builds the operation in `out` (connection_op.hpp). A provider fills
 // its table with launch_table_of (transport_impl.hpp).
-template <class T>
-using launch_fn = void (*)(connection_impl* c, const op_args& a, op_slot<T>& out);
 struct launch_table {
   launch_fn<void> send;
   launch_fn<message> recv;

@@ -83,7 +83,7 @@ const launch_table no_connection_ops = {fail_disconnected<void>, fail_disconnect
 
 connection::connection() noexcept : ops_(&detail::no_connection_ops) {}
 connection::connection(std::unique_ptr<detail::connection_impl> impl) noexcept
-    : impl_(std::move(impl)), ops_(impl_ ? &impl_->ops : &detail::no_connection_ops) {}
+    : impl_(std::move(impl)), ops_(impl_ ? &impl_->single_ops : &detail::no_connection_ops) {}
 connection::connection(connection&& o) noexcept
     : impl_(std::move(o.impl_)), ops_(std::exchange(o.ops_, &detail::no_connection_ops)) {}
 connection& connection::operator=(connection&& o) noexcept {

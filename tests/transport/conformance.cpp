@@ -746,6 +746,19 @@ TEST_CASE("connection_op: awaited directly, as a task, or through when_all / wit
     CHECK(is_error(r.error(), errc::disconnected));
     auto m = co_await none.recv();
     CHECK(is_error(m.error(), errc::disconnected));
+    std::vector<std::byte> back(64);
+    CHECK(is_error((co_await none.write(data, mr.remote())).error(), errc::disconnected));
+    CHECK(is_error((co_await none.write_with_imm(data, mr.remote(), 7)).error(), errc::disconnected));
+    CHECK(is_error((co_await none.read(back, mr.remote())).error(), errc::disconnected));
+    CHECK(is_error((co_await none.compare_and_swap(mr.remote(0, 8), 0, 1)).error(), errc::disconnected));
+    CHECK(is_error((co_await none.fetch_and_add(mr.remote(0, 8), 1)).error(), errc::disconnected));
+    // Moved from: the same; the connection it moved to works.
+    connection moved_to = std::move(p.client);
+    CHECK(is_error((co_await p.client.read(back, mr.remote())).error(), errc::disconnected));
+    REQUIRE((co_await moved_to.read(back, mr.remote())).has_value());
+    CHECK(same(back, target));
+    p.client = std::move(moved_to);
+    CHECK((co_await p.client.read(back, mr.remote())).has_value());
     co_await close_pair(p);
   }());
 }

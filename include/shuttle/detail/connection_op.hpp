@@ -140,6 +140,12 @@ struct op_args {
   std::uint64_t a = 0, b = 0;  // atomics' operands
 };
 
+// A provider's entry for one single operation (transport.hpp: launch_table):
+// builds the operation in `out`. `c` is null for a connection without a
+// provider.
+template <class T>
+using launch_fn = void (*)(connection_impl* c, const op_args& a, op_slot<T>& out);
+
 }  // namespace detail
 
 // What connection::send(), recv(), write(), write_with_imm(), read(),
@@ -151,9 +157,7 @@ struct op_args {
 template <class T>
 class [[nodiscard]] connection_op {
  public:
-  connection_op(detail::connection_impl* impl, void (*launch)(detail::connection_impl*, const detail::op_args&,
-                                                            detail::op_slot<T>&),
-                const detail::op_args& args) noexcept
+  connection_op(detail::connection_impl* impl, detail::launch_fn<T> launch, const detail::op_args& args) noexcept
       : impl_(impl), launch_(launch), args_(args) {}
   // Only before it is awaited: a started operation's state lives here.
   connection_op(connection_op&& o) noexcept : impl_(o.impl_), launch_(o.launch_), args_(o.args_) {}
@@ -175,7 +179,7 @@ class [[nodiscard]] connection_op {
 
  private:
   detail::connection_impl* impl_;  // null for a connection without a provider
-  void (*launch_)(detail::connection_impl*, const detail::op_args&, detail::op_slot<T>&);
+  detail::launch_fn<T> launch_;
   detail::op_args args_;
   detail::op_slot<T> slot_;
 };

@@ -20,9 +20,9 @@ class region_impl {
 // constructor (launch_table_of), and connection_op calls into it directly.
 class connection_impl {
  public:
-  explicit connection_impl(const launch_table& single_ops) noexcept : ops(single_ops) {}
+  explicit connection_impl(const launch_table& ops) noexcept : single_ops(ops) {}
   virtual ~connection_impl() = default;
-  const launch_table& ops;
+  const launch_table& single_ops;
   virtual task<result<void>> post_batch(std::span<const operation> ops) = 0;
   virtual task<result<void>> close() = 0;
   virtual bool is_open() const noexcept = 0;
