@@ -32,12 +32,17 @@ struct pair_t {
   connection server, client;
 };
 
+// accept() has no deadline of its own: a connect that failed would leave it
+// waiting for ever (a silent hang instead of a failure with the connect's
+// error), so every accept in these tests has one.
+inline constexpr auto accept_limit = std::chrono::seconds(30);
+
 inline task<void> make_pair(pair_t& p, connection_options opts = {}) {
   p.server_domain.emplace(domain::open().value());
   p.client_domain.emplace(domain::open().value());
   p.l = p.server_domain->listen(test_endpoint(0), opts).value();
   auto ep = test_endpoint(p.l.local_endpoint().port());
-  auto [s, c] = co_await when_all(p.l.accept(), p.client_domain->connect(ep, opts));
+  auto [s, c] = co_await when_all(with_timeout(p.l.accept(), accept_limit), p.client_domain->connect(ep, opts));
   p.server = std::move(s).value();
   p.client = std::move(c).value();
 }
