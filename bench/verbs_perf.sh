@@ -106,8 +106,10 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     done
     local r v sm pm lo hi ci cl ch
     sm=$(median "${svals[@]}") pm=$(median "${pvals[@]}") r=$(median "${rvals[@]}")
-    lo=$(finite "${rvals[@]}" | sort -g | head -1) hi=$(finite "${rvals[@]}" | sort -g | tail -1)
-    local invalid=$((${#rvals[@]} - $(finite "${rvals[@]}" | wc -l)))
+    local valid
+    valid=$(finite "${rvals[@]}" | sort -g)
+    lo=$(head -1 <<<"$valid") hi=$(tail -1 <<<"$valid")
+    local invalid=$((${#rvals[@]} - $(grep -c . <<<"$valid" || true)))
     # (No process substitution: the guest has no /dev/fd.)
     ci=$(python3 "$here/median_ci.py" "${rvals[@]}")
     read -r _ cl ch <<<"$ci"

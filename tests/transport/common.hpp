@@ -34,15 +34,16 @@ struct pair_t {
 
 // accept() has no deadline of its own: a connect that failed would leave it
 // waiting for ever (a silent hang instead of a failure with the connect's
-// error), so every accept in these tests has one.
+// error), so every accept in these tests goes through this one.
 inline constexpr auto accept_limit = std::chrono::seconds(30);
+inline task<result<connection>> accept_within_limit(listener& l) { return with_timeout(l.accept(), accept_limit); }
 
 inline task<void> make_pair(pair_t& p, connection_options opts = {}) {
   p.server_domain.emplace(domain::open().value());
   p.client_domain.emplace(domain::open().value());
   p.l = p.server_domain->listen(test_endpoint(0), opts).value();
   auto ep = test_endpoint(p.l.local_endpoint().port());
-  auto [s, c] = co_await when_all(with_timeout(p.l.accept(), accept_limit), p.client_domain->connect(ep, opts));
+  auto [s, c] = co_await when_all(accept_within_limit(p.l), p.client_domain->connect(ep, opts));
   p.server = std::move(s).value();
   p.client = std::move(c).value();
 }

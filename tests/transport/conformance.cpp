@@ -209,7 +209,7 @@ TEST_CASE("atomics: several connections add to one word") {
     std::vector<pair_t> ps(conns);
     for (auto& p : ps) {
       p.client_domain.emplace(domain::open().value());
-      auto [s, c] = co_await when_all(with_timeout(l.accept(), accept_limit), p.client_domain->connect(ep));
+      auto [s, c] = co_await when_all(accept_within_limit(l), p.client_domain->connect(ep));
       p.server = std::move(s).value();
       p.client = std::move(c).value();
     }
@@ -489,7 +489,7 @@ TEST_CASE("shared receive queue: many connections on one SRQ, data verified, no 
     copts.receive_buffer_size = 4096;
     std::vector<connection> server_side, client_side;
     for (int i = 0; i < nconn; ++i) {
-      auto [s, c] = co_await when_all(with_timeout(l->accept(), accept_limit), cd.connect(ep, copts));
+      auto [s, c] = co_await when_all(accept_within_limit(*l), cd.connect(ep, copts));
       REQUIRE(s.has_value());
       REQUIRE(c.has_value());
       server_side.push_back(std::move(*s));
@@ -542,7 +542,7 @@ TEST_CASE("shared receive queue: many connections on one SRQ, data verified, no 
     // A later connection reuses the SRQ (and its buffers); a larger buffer size than the SRQ's is refused.
     server_side.clear();
     client_side.clear();
-    auto [s2, c2] = co_await when_all(with_timeout(l->accept(), accept_limit), cd.connect(ep, copts));
+    auto [s2, c2] = co_await when_all(accept_within_limit(*l), cd.connect(ep, copts));
     REQUIRE(s2.has_value());
     REQUIRE(c2.has_value());
     auto d = pattern(1000, 3);
@@ -809,7 +809,7 @@ TEST_CASE("64 connections at once") {
 
     auto serve = [](listener& l, std::vector<connection>& out) -> task<void> {
       for (int i = 0; i < n; ++i) {
-        auto c = co_await with_timeout(l.accept(), accept_limit);
+        auto c = co_await accept_within_limit(l);
         REQUIRE(c.has_value());
         out.push_back(std::move(*c));
       }
@@ -927,7 +927,7 @@ TEST_CASE("peer process killed mid-transfer: pending operations fail, no hang") 
     std::uint16_t port = l.local_endpoint().port();
     REQUIRE(::write(pipefd[1], &port, sizeof port) == sizeof port);
     ::close(pipefd[1]);
-    auto c = (co_await with_timeout(l.accept(), accept_limit)).value();
+    auto c = (co_await accept_within_limit(l)).value();
     auto m = (co_await c.recv()).value();
     REQUIRE(m.size() == remote_buffer::wire_size);
     auto rb = remote_buffer::deserialize(m.data().first<remote_buffer::wire_size>());

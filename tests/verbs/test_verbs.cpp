@@ -32,6 +32,7 @@ namespace {
 
 using transport_test::test_endpoint;  // SHUTTLE_TEST_ADDR: the guest's rxe address
 using transport_test::pattern;
+using transport_test::accept_within_limit;  // every accept has a deadline
 
 domain open_verbs() {
   domain_options o;
@@ -61,11 +62,6 @@ long rss_kib() {
   return 0;
 }
 
-// accept() has no deadline of its own: a connect that failed would leave it
-// waiting for ever (a silent hang instead of a failure with the connect's
-// error), so every accept in these tests has one.
-constexpr auto accept_limit = 30s;
-
 struct pair_t {
   listener l;
   connection server, client;
@@ -74,7 +70,7 @@ struct pair_t {
 task<void> make_pair(domain& sd, domain& cd, pair_t& p, connection_options opts = {}) {
   p.l = sd.listen(test_endpoint(0), opts).value();
   auto ep = test_endpoint(p.l.local_endpoint().port());
-  auto [s, c] = co_await when_all(with_timeout(p.l.accept(), accept_limit), cd.connect(ep, opts));
+  auto [s, c] = co_await when_all(accept_within_limit(p.l), cd.connect(ep, opts));
   p.server = std::move(s).value();
   p.client = std::move(c).value();
 }
@@ -116,7 +112,7 @@ TEST_CASE("peer process killed mid-transfer: pending operations fail, no hang, n
     std::uint16_t port = l.local_endpoint().port();
     REQUIRE(::write(pipefd[1], &port, sizeof port) == sizeof port);
     ::close(pipefd[1]);
-    auto c = co_await with_timeout(l.accept(), accept_limit);
+    auto c = co_await accept_within_limit(l);
     REQUIRE(c.has_value());
     auto m = co_await with_timeout(c->recv(), 20s);
     REQUIRE(m.has_value());
@@ -440,7 +436,7 @@ TEST_CASE("64 QPs share one CQ per domain; pipelined operations on all") {
     auto mr = sd.register_memory(target, access::all).value();
     std::vector<connection> server_side, client_side;
     auto serve = [](listener& l, std::vector<connection>& out) -> task<void> {
-      for (int i = 0; i < n; ++i) out.push_back((co_await with_timeout(l.accept(), accept_limit)).value());
+      for (int i = 0; i < n; ++i) out.push_back((co_await accept_within_limit(l)).value());
     };
     auto dial = [](domain& d, endpoint ep, connection_options o, std::vector<connection>& out) -> task<void> {
       for (int i = 0; i < n; ++i) out.push_back((co_await d.connect(ep, o)).value());
@@ -492,7 +488,7 @@ TEST_CASE("1000 connect/disconnect cycles without fd or memory growth") {
         fds0 = count_fds();
         rss0 = rss_kib();
       }
-      auto [s, c] = co_await when_all(with_timeout(l.accept(), accept_limit), cd.connect(ep, opts));
+      auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep, opts));
       if (!s || !c)
         FAIL("cycle " << i << ": accept " << (s ? "ok" : s.error().message()) << ", connect "
                       << (c ? "ok" : c.error().message()));
@@ -630,7 +626,7 @@ TEST_CASE("shared receive queue: 16 connections on one SRQ per side, uneven load
     constexpr int n = 16, per = 200;
     std::vector<connection> ss, cs;
     for (int i = 0; i < n; ++i) {
-      auto [s, c] = co_await when_all(with_timeout(l.accept(), accept_limit), cd.connect(ep, opts));
+      auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep, opts));
       REQUIRE(s.has_value());
       REQUIRE(c.has_value());
       ss.push_back(std::move(*s));
@@ -702,7 +698,7 @@ TEST_CASE("shared receive queue: 16 connections on one SRQ per side, uneven load
     CHECK(verbs::stats(cd)->live_connections == 0);
     CHECK(verbs::stats(sd)->live_connections == 0);
     for (int round = 0; round < 3; ++round) {
-      auto [s, c] = co_await when_all(with_timeout(l.accept(), accept_limit), cd.connect(ep, opts));
+      auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep, opts));
       REQUIRE(s.has_value());
       REQUIRE(c.has_value());
       auto d = pattern(1000, static_cast<unsigned>(round));

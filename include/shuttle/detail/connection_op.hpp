@@ -18,7 +18,6 @@
 #include <type_traits>
 #include <utility>
 
-#include <shuttle/error.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/task.hpp>
 
