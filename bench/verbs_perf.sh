@@ -6,7 +6,8 @@
 # 64 B, and a small-write message rate (64 B writes, 128 in flight). The order
 # alternates per point. Soft-RoCE under TCG is slow and noisy: only the ratios
 # of one run mean anything. Each row is REPS (default 3) pairs of runs; the
-# verdict is on the median of the pairs' ratios. Targets: bw ratio >= 1.0,
+# verdict is on the median of the pairs' ratios, over the pairs whose two runs
+# fell in the same phase of the guest (bench/pair_ratios.py). Targets: bw ratio >= 1.0,
 # lat ratio <= 1.05 (t_typical), msg-rate ratio >= 1.0.
 #
 # Fair defaults on both sides: depth 128 (perftest's tx_depth). shuttle-perf
@@ -78,21 +79,18 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
   shuttle_extra=  # options for both shuttle-perf sides (see the latency rows)
   printf "%-9s %-7s %-6s %12s %12s %8s %15s %13s %8s %s\n" test bytes metric shuttle perftest ratio "(ratio range)" "90% CI" target verdict
   flip=0
-  # Of the finite values: a run that failed gives nan, and perftest at times
-  # prints inf (its cycle-to-usec calibration came out 0 in the guest).
-  finite() { printf '%s\n' "$@" | grep -Eiv 'nan|inf' || true; }
-  median() { finite "$@" | sort -g | awk '{a[NR]=$1} END {print NR == 0 ? "nan" : NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
-  # One row: REPS pairs of runs (the order alternating), each pair's
-  # shuttle/perftest ratio; the row prints each tool's median, the median
-  # of the pair ratios (the verdict) and their range. A TCG guest on a
-  # shared host runs at times at half speed for seconds: a pair falls in one
-  # such phase or out of it as a whole more often than its two runs
-  # separately would. The 90% CI is a bootstrap interval of that median
-  # (2000 resamples of the pair ratios): where it spans the target, these
-  # REPS pairs cannot tell a hit from a miss; more pairs can.
+  # One row: REPS pairs of runs (the order alternating within each pair).
+  # bench/pair_ratios.py turns them into the row: each tool's median, and
+  # the median of the pairs' shuttle/perftest ratios over the pairs whose two
+  # runs fell in the same phase of the guest (a TCG guest on a shared host
+  # runs at times much slower for seconds, long enough to take one run of a
+  # pair and not the other: such a pair is left out and counted, by which
+  # tool's run was the slow one). The 90% CI is a bootstrap interval of that
+  # median: where it spans the target, these pairs cannot tell a hit from a
+  # miss; more pairs can. "all" is the median over every pair.
   row() {  # name size metric "shuttle-args" "perftest-args" target op
     local name=$1 size=$2 metric=$3 sargs=$4 pargs=$5 target=$6 op=$7 s p
-    local svals=() pvals=() rvals=() smins=() pmins=()
+    local pairs=() smins=() pmins=()
     for _ in $(seq "$reps"); do
       if [ $flip = 0 ]; then s=$(shuttle $sargs $metric); p=$(perftest $metric $pargs)
       else p=$(perftest $metric $pargs); s=$(shuttle $sargs $metric); fi
@@ -101,27 +99,22 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
         smins+=("$(cat $work/s.min 2>/dev/null || echo nan)") pmins+=("$(cat $work/p.min 2>/dev/null || echo nan)")
         rm -f $work/s.min $work/p.min
       fi
-      svals+=("$s") pvals+=("$p")
-      rvals+=("$(python3 -c "import math; s,p=float('$s'),float('$p'); print('nan' if not math.isfinite(s) or not math.isfinite(p) or p==0 else '%.3f' % (s/p))")")
+      pairs+=("$s,$p")
     done
-    local r v sm pm lo hi ci cl ch
-    sm=$(median "${svals[@]}") pm=$(median "${pvals[@]}") r=$(median "${rvals[@]}")
-    local valid
-    valid=$(finite "${rvals[@]}" | sort -g)
-    lo=$(head -1 <<<"$valid") hi=$(tail -1 <<<"$valid")
-    local invalid=$((${#rvals[@]} - $(grep -c . <<<"$valid" || true)))
-    # (No process substitution: the guest has no /dev/fd.)
-    ci=$(python3 "$here/median_ci.py" "${rvals[@]}")
-    read -r _ cl ch <<<"$ci"
+    local sm pm r lo hi cl ch same all invalid sslow pslow v
+    read -r sm pm r lo hi cl ch same all invalid sslow pslow <<<"$(python3 "$here/pair_ratios.py" \
+      "$([ $op = "<=" ] && echo lower || echo higher)" "${pairs[@]}")"
     v=$(python3 -c "r=float('$r'); print('ok' if r == r and r $op $target else 'MISS')")
     python3 -c "import sys; lo, hi, t = float('$cl'), float('$ch'), float('$target'); sys.exit(0 if lo <= t <= hi else 1)" &&
       v="$v (CI spans the target)"
+    v="$v all $all"
+    [ $((sslow + pslow)) -gt 0 ] && v="$v ($((sslow + pslow)) pairs split by a slow phase: shuttle's run slow in $sslow, perftest's in $pslow)"
+    [ "$invalid" -gt 0 ] && v="$v ($invalid of $reps pairs without a result)"
     if [ $metric = usec ]; then
-      v="$v min $(median "${smins[@]}")/$(median "${pmins[@]}")"
+      v="$v min $(python3 "$here/pair_ratios.py" --median "${smins[@]}")/$(python3 "$here/pair_ratios.py" --median "${pmins[@]}")"
     fi
-    [ $invalid -gt 0 ] && v="$v ($invalid of $reps pairs without a result: left out)"
     printf "%-9s %-7s %-6s %12s %12s %8s %15s %13s %8s %s\n" $name $size $metric "$sm" "$pm" "$r" "($lo-$hi)" "$cl-$ch" "$op$target" "$v"
-    [ -n "${VERBOSE:-}" ] && echo "  # $name $size: shuttle ${svals[*]} | perftest ${pvals[*]} | ratios ${rvals[*]}"
+    [ -n "${VERBOSE:-}" ] && echo "  # $name $size: shuttle,perftest ${pairs[*]}"
     true
   }
   want() { case " ${SECTIONS:-bw lat rate} " in *" $1 "*) return 0 ;; esac; return 1; }
