@@ -1089,8 +1089,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   }
 
   // An operation is over (its slot given back or about to be): close() waits
-  // for the last one.
-  void end_op() noexcept {
+  // for the last one. Inlined: it ends every operation's latency path.
+  [[gnu::always_inline]] void end_op() noexcept {
     if (--inflight_ops == 0 && closed) drained.set();
   }
 

@@ -156,7 +156,7 @@ using launch_fn = void (*)(connection_impl* c, const op_args& a, op_slot<T>& out
 template <class T>
 class [[nodiscard]] connection_op {
  public:
-  connection_op(detail::connection_impl* impl, detail::launch_fn<T> launch, const detail::op_args& args) noexcept
+  connection_op(detail::connection_impl* impl, detail::launch_fn<T> launch, detail::op_args args) noexcept
       : impl_(impl), launch_(launch), args_(args) {}
   // Only before it is awaited: a started operation's state lives here.
   connection_op(connection_op&& o) noexcept : impl_(o.impl_), launch_(o.launch_), args_(o.args_) {}
