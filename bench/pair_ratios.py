@@ -24,9 +24,10 @@ out; a tool with slow runs of its own shows as a lopsided s_slow / p_slow
 
 pair_ratios.py --median X...: the median of the finite X ("nan" if none)."""
 import math
-import random
 import statistics
 import sys
+
+from median_ci import median_ci
 
 SLOW = 1.25
 
@@ -62,14 +63,8 @@ def main():
                 s_slow += 1
             else:
                 p_slow += 1
-    ratio = median(same)
+    ratio, cl, ch = median_ci(same)
     lo, hi = (min(same), max(same)) if same else (math.nan, math.nan)
-    if same:
-        rng = random.Random(1)
-        meds = sorted(statistics.median(rng.choices(same, k=len(same))) for _ in range(2000))
-        cl, ch = meds[100], meds[1899]
-    else:
-        cl = ch = math.nan
     print("%.3f %.3f %.3f %.3f %.3f %.3f %.3f %d %.3f %d %d %d" % (
         median(s_vals), median(p_vals), ratio, lo, hi, cl, ch, len(same),
         median([s / p for s, p in finite]), left_out, s_slow, p_slow))
