@@ -47,25 +47,36 @@ inline remote_buffer remote_of(const op_args& a) noexcept { return {a.address, a
 //                         std::uint64_t desired);
 //   void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add);
 // Each entry is one function: C's member inlined into it where C wants.
+// Static members rather than lambdas: a lambda's function pointer is a
+// thunk that jumps to its call operator, a jump more on every operation.
+template <class C>
+struct launchers {
+  static void send(connection_impl* c, const op_args& a, op_slot<void>& out) {
+    static_cast<C*>(c)->send(out, local_of(a));
+  }
+  static void recv(connection_impl* c, const op_args&, op_slot<message>& out) { static_cast<C*>(c)->recv(out); }
+  static void write(connection_impl* c, const op_args& a, op_slot<void>& out) {
+    static_cast<C*>(c)->write(out, local_of(a), remote_of(a));
+  }
+  static void write_with_imm(connection_impl* c, const op_args& a, op_slot<void>& out) {
+    static_cast<C*>(c)->write_with_imm(out, local_of(a), remote_of(a), a.imm);
+  }
+  static void read(connection_impl* c, const op_args& a, op_slot<void>& out) {
+    static_cast<C*>(c)->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
+  }
+  static void compare_and_swap(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
+    static_cast<C*>(c)->compare_and_swap(out, remote_of(a), a.a, a.b);
+  }
+  static void fetch_and_add(connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
+    static_cast<C*>(c)->fetch_and_add(out, remote_of(a), a.a);
+  }
+};
 template <class C>
 inline constexpr launch_table launch_table_of = {
-    [](connection_impl* c, const op_args& a, op_slot<void>& out) { static_cast<C*>(c)->send(out, local_of(a)); },
-    [](connection_impl* c, const op_args&, op_slot<message>& out) { static_cast<C*>(c)->recv(out); },
-    [](connection_impl* c, const op_args& a, op_slot<void>& out) {
-      static_cast<C*>(c)->write(out, local_of(a), remote_of(a));
-    },
-    [](connection_impl* c, const op_args& a, op_slot<void>& out) {
-      static_cast<C*>(c)->write_with_imm(out, local_of(a), remote_of(a), a.imm);
-    },
-    [](connection_impl* c, const op_args& a, op_slot<void>& out) {
-      static_cast<C*>(c)->read(out, std::span<std::byte>(a.data, a.size), remote_of(a));
-    },
-    [](connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
-      static_cast<C*>(c)->compare_and_swap(out, remote_of(a), a.a, a.b);
-    },
-    [](connection_impl* c, const op_args& a, op_slot<std::uint64_t>& out) {
-      static_cast<C*>(c)->fetch_and_add(out, remote_of(a), a.a);
-    },
+    &launchers<C>::send,           &launchers<C>::recv,
+    &launchers<C>::write,          &launchers<C>::write_with_imm,
+    &launchers<C>::read,           &launchers<C>::compare_and_swap,
+    &launchers<C>::fetch_and_add,
 };
 
 class listener_impl {
