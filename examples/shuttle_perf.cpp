@@ -4,7 +4,7 @@
 //   server: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]
 //   client: shuttle-perf HOST [--transport ...] [--port P]
 //             --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic
-//             [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--warmup N] [--json]
+//             [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--slots N] [--warmup N] [--json]
 //
 // The client tells the server what it will run (a hello: test, largest size,
 // depth, the client's own remote_buffer); the server registers a buffer and
@@ -203,6 +203,7 @@ struct options {
   std::optional<std::uint64_t> warmup;
   std::uint64_t depth = 0;  // 0: 128 (bw) / 1 (lat)
   std::uint64_t batch = 0;  // 0: depth/4, 1..64 (bw); 1 (lat, atomic)
+  std::uint64_t slots = 0;  // 0: depth (bw: buffer slots cycled through, each side)
   bool json = false;
   bool loop = false;
   std::uint32_t rx_depth = 512;
@@ -217,7 +218,7 @@ void usage(FILE* f) {
       "usage: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]        (server)\n"
       "       shuttle-perf HOST [--transport tcp|verbs] [--port P]\n"
       "                    --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic\n"
-      "                    [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--warmup N] [--json]\n"
+      "                    [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--slots N] [--warmup N] [--json]\n"
       "                                                                                      (client)\n"
       "common: --device NAME (verbs, e.g. rxe0)  --gid-index N (verbs)  --rx-depth N (posted receives, 512)\n"
       "        --rx-size S (bytes per receive buffer, 64K: the largest send the peer accepts)\n"
@@ -227,6 +228,9 @@ void usage(FILE* f) {
       "                                          auto: poll on verbs, imm on tcp)\n"
       "        --batch B (bw: operations per post_batch, one signaled completion each; default depth/4 in\n"
       "                   1..64, i.e. 32 at depth 128; 1: every operation signaled, no post list)\n"
+      "        --slots N (bw: the buffer slots of one message size that the operations cycle through, on\n"
+      "                   each side; default the depth, one per operation in flight; 1: every operation\n"
+      "                   on the same buffer, as perftest's ib_*_bw above 2 KiB)\n"
       "sizes take K/M suffixes (4K = 4096). Defaults: bw 64K x5000 depth 128, lat 2 B x1000, atomic 8 B.\n",
       f);
 }
@@ -301,6 +305,9 @@ options parse_args(int argc, char** argv) {
       const auto v = parse_size(val(), "--inline");
       if (v > 4096) fail("--inline: at most 4096 bytes");
       o.max_inline = static_cast<std::uint32_t>(v);
+    } else if (k == "--slots") {
+      o.slots = parse_size(val(), "--slots");
+      if (o.slots == 0) fail("--slots must be at least 1");
     } else if (k == "--spin-us") {
       o.spin_us = parse_size(val(), "--spin-us");
     } else if (k == "--write-lat-method") {
@@ -708,7 +715,8 @@ task<int> client_main(const options& o) {
            std::to_string(max_msg) + "; give both sides a larger --rx-size)");
   }
   const std::uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
-  std::uint64_t region = std::max<std::uint64_t>(max_size, std::min<std::uint64_t>(max_size * depth, region_cap));
+  const std::uint64_t slots = o.slots ? std::min(o.slots, depth) : depth;
+  std::uint64_t region = std::max<std::uint64_t>(max_size, std::min<std::uint64_t>(max_size * slots, region_cap));
 
   client_state s{std::move(c), o, {}, {}, {}, {}, {}};
   s.local = std::make_unique<buffer>(region);

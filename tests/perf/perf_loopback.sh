@@ -30,6 +30,7 @@ wait $spid; rc=$?; spid=
 # Every test against one --loop server.
 start_server --loop
 for t in "write_bw --size 64K --depth 8" "read_bw --size 64K --depth 8" "send_bw --size 4K --depth 16" \
+         "write_bw --size 64K --depth 8 --slots 1" "read_bw --size 4K --depth 16 --slots 2" \
          "atomic --depth 4" "write_lat --size 64" "write_lat --size 64 --write-lat-method poll" \
          "send_lat --size 64" "read_lat --size 4K"; do
   # shellcheck disable=SC2086
@@ -41,4 +42,7 @@ done
 # Errors are clear and non-zero.
 "$perf" 127.0.0.1 --transport tcp --port "$port" --test nope >"$work/bad.log" 2>&1 && fail "bad --test accepted"
 grep -q "unknown test" "$work/bad.log" || fail "no message for a bad --test"
+"$perf" 127.0.0.1 --transport tcp --port "$port" --test write_bw --slots 0 >"$work/bad.log" 2>&1 &&
+  fail "--slots 0 accepted"
+grep -q "slots must be at least 1" "$work/bad.log" || fail "no message for --slots 0"
 echo "ok"
