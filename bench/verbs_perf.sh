@@ -125,7 +125,8 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     true
   }
   want() { case " ${SECTIONS:-bw lat rate} " in *" $1 "*) return 0 ;; esac; return 1; }
-  shuttle_extra="--slots 1"
+  bw_extra="--slots 1"  # perftest's memory (see the top)
+  shuttle_extra=$bw_extra
   for size in 4096 65536; do
     want bw || break
     n=$([ $size = 4096 ] && echo 5000 || echo 1000)
@@ -140,7 +141,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
       row ${t}_lat $size usec "${t}_lat $size 1000 1" "ib_${t}_lat $size 1000" 1.05 "<="
     done
   done
-  shuttle_extra="--slots 1"
+  shuttle_extra=$bw_extra
   want rate && row msgrate 64 Mpps "write_bw 64 20000 128" "ib_write_bw 64 20000" 1.0 ">="
   exit 0
 fi
