@@ -207,6 +207,89 @@ inline op_args make_op_args(std::span<const std::byte> local, remote_buffer remo
 }
 }  // namespace detail
 
+// An operation prepared once and started any number of times, one start at
+// a time (as MPI_Start on a persistent request): connection::prepare checks
+// the arguments, finds the local memory's registration and builds the work
+// request, so that a start posts it and does nothing else: no argument
+// passing, no registration lookup, no per-start state to build or destroy.
+// For loops that repeat one transfer (polling a remote flag, a ring slot, a
+// latency benchmark). It keeps the connection's state and the local
+// registration alive until it is destroyed; the memory it was prepared
+// with must stay valid as long.
+//
+// co_await op.start() yields result<void>, as the single operation does
+// (errors, cancellation: see the top of this file), and besides:
+//  - std::errc::operation_in_progress while another start of it is awaited;
+//  - std::errc::invalid_argument for an empty one (default or moved from);
+//  - errc::disconnected once the connection failed or was closed.
+// Destroying it while a start is awaited is allowed: that start still ends
+// normally, its state freed after it.
+class prepared_operation {
+ public:
+  prepared_operation() noexcept = default;
+  explicit prepared_operation(std::unique_ptr<detail::prepared_impl> impl) noexcept : impl_(impl.release()) {}
+  prepared_operation(prepared_operation&& o) noexcept : impl_(std::exchange(o.impl_, nullptr)) {}
+  prepared_operation& operator=(prepared_operation&& o) noexcept {
+    if (this != &o) {
+      reset();
+      impl_ = std::exchange(o.impl_, nullptr);
+    }
+    return *this;
+  }
+  ~prepared_operation() { reset(); }
+
+  explicit operator bool() const noexcept { return impl_ != nullptr; }
+  bool busy() const noexcept { return impl_ && impl_->in_flight; }
+
+  class [[nodiscard]] awaiter {
+   public:
+    explicit awaiter(detail::prepared_impl* p) noexcept : p_(p) {}
+    // Inlined into the awaiting coroutine, as connection_op's.
+    [[gnu::always_inline]] bool await_ready() noexcept {
+      if (!p_ || p_->in_flight) return true;
+      p_->in_flight = started_ = true;
+      return p_->start();
+    }
+    template <class P>
+    std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) {
+      try {
+        return p_->suspend(h, detail::stop_token_of(h));
+      } catch (...) {  // nothing was left waiting
+        p_->in_flight = false;
+        throw;
+      }
+    }
+    result<void> await_resume() {
+      if (!started_)
+        return std::make_error_code(p_ ? std::errc::operation_in_progress : std::errc::invalid_argument);
+      struct end_start {
+        detail::prepared_impl* p;
+        ~end_start() {
+          p->in_flight = false;
+          if (p->orphaned) delete p;
+        }
+      } end{p_};
+      return p_->take();
+    }
+
+   private:
+    detail::prepared_impl* p_;
+    bool started_ = false;
+  };
+  // One execution: co_await op.start() (or pass it to as_task / with_timeout).
+  awaiter start() noexcept { return awaiter{impl_}; }
+
+ private:
+  void reset() noexcept {
+    if (!impl_) return;
+    if (impl_->in_flight)
+      std::exchange(impl_, nullptr)->orphaned = true;  // the awaiter frees it
+    else
+      delete std::exchange(impl_, nullptr);
+  }
+  detail::prepared_impl* impl_ = nullptr;
+};
+
 class connection {
  public:
   connection() noexcept;
@@ -286,6 +369,13 @@ class connection {
   // to the error state and the task resumes when no buffer is touched any
   // more.
   task<result<void>> post_batch(std::span<const operation> ops);
+
+  // One operation (as a batch's: send, write, write_with_imm, read) built
+  // once, to be started many times: see prepared_operation. The arguments
+  // are checked now (an oversize send: errc::message_too_long) and the
+  // local memory registered through the domain's cache if it is not yet.
+  // errc::disconnected for a connection without a provider.
+  result<prepared_operation> prepare(const operation& op);
 
   // Graceful disconnect: waits for what is in flight (inline sends
   // included), then tells the peer; errc::disconnected if the connection

@@ -98,6 +98,12 @@ connection::~connection() = default;
 task<result<void>> connection::post_batch(std::span<const operation> ops) {
   return impl_ ? impl_->post_batch(ops) : not_connected<void>();
 }
+result<prepared_operation> connection::prepare(const operation& op) {
+  if (!impl_) return make_error_code(errc::disconnected);
+  auto r = impl_->prepare(op);
+  if (!r) return r.error();
+  return prepared_operation(std::move(*r));
+}
 task<result<void>> connection::close() { return impl_ ? impl_->close() : not_connected<void>(); }
 bool connection::is_open() const noexcept { return impl_ && impl_->is_open(); }
 transport_kind connection::kind() const noexcept { return impl_ ? impl_->kind() : transport_kind::automatic; }

@@ -1676,6 +1676,42 @@ class verbs_connection final : public connection_impl {
     co_return result<void>{};
   }
 
+  result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override {
+    conn_state* s = s_.get();
+    ibv_wr_opcode opcode = IBV_WR_RDMA_WRITE;
+    bool credit = false, need_write = false, may_inline = true;
+    switch (o.op) {
+      case operation::type::send:
+        if (o.local.size() > s->peer_buffer) return make_error_code(errc::message_too_long);
+        opcode = IBV_WR_SEND_WITH_IMM;  // the immediate carries returned credits
+        credit = true;
+        break;
+      case operation::type::write: break;
+      case operation::type::write_with_imm:
+        opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        credit = true;
+        break;
+      case operation::type::read:
+        opcode = IBV_WR_RDMA_READ;
+        need_write = true;
+        may_inline = false;
+        break;
+      default: return std::make_error_code(std::errc::invalid_argument);
+    }
+    if (o.local.size() > (std::size_t(1) << 31)) return make_error_code(errc::message_too_long);
+    auto p = std::make_unique<prepared_state>(s_, opcode, credit);
+    ibv_send_wr& wr = p->op.wr;
+    if (opcode != IBV_WR_SEND_WITH_IMM) {
+      wr.wr.rdma.remote_addr = o.remote.address;
+      wr.wr.rdma.rkey = o.remote.rkey;
+    }
+    if (opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = htonl(o.imm);
+    auto r = s->local_sge(o.local, need_write, may_inline, wr, p->op.sge);
+    if (!r) return r.error();
+    p->region = core::hold(*r);
+    return std::unique_ptr<prepared_impl>(std::move(p));
+  }
+
   bool is_open() const noexcept override { return s_->usable(); }
   transport_kind kind() const noexcept override { return transport_kind::verbs; }
   std::size_t max_message_size() const noexcept override { return s_->peer_buffer; }
@@ -1705,6 +1741,70 @@ class verbs_connection final : public connection_impl {
     }
     [[gnu::always_inline]] result<T> take() noexcept { return as_result<T>(op.await_resume()); }
   };
+  // A prepared operation (connection::prepare): one posted_op whose WR is
+  // built once and posted again by each start. The connection's state and
+  // the local registration are held for its life, so a start takes no
+  // reference of its own either.
+  struct prepared_state final : prepared_impl {
+    std::shared_ptr<conn_state> conn;
+    std::shared_ptr<verbs_region> region;  // null: inline or empty
+    conn_state::posted_op op;
+    std::optional<task<result<std::uint64_t>>> waiting;  // a start that waits for a slot or a credit
+
+    prepared_state(std::shared_ptr<conn_state> c, ibv_wr_opcode opcode, bool credit) noexcept
+        : conn(std::move(c)), op(conn.get(), opcode, credit, false) {
+      op.sge = {};
+    }
+    bool start() noexcept override {
+      posted = op.c->try_reserve(op.credit);
+      if (!posted) return false;  // suspend() waits for them
+      rearm();
+      return op.await_ready();
+    }
+    std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) override {
+      if (posted) {
+        op.h = h;
+        if (t.stop_possible()) op.scb.emplace(std::move(t), conn_state::op_wait::cancel_cb{&op});
+        return std::noop_coroutine();
+      }
+      waiting.emplace(wait_then_post());
+      auto child = waiting->handle();
+      child.promise().set_continuation(h);
+      child.promise().set_stop_token(std::move(t));
+      return child;
+    }
+    result<void> take() override {
+      if (waiting) {
+        auto r = waiting->handle().promise().take();
+        waiting.reset();
+        return as_result<void>(std::move(r));
+      }
+      return as_result<void>(op.await_resume());
+    }
+
+   private:
+    bool posted = false;  // this start holds its slot and credit and posted (start's fast path)
+    void rearm() noexcept {
+      op.h = {};  // complete() must not wake an earlier start's awaiter
+      op.done = false;
+      op.status = IBV_WC_SUCCESS;
+      op.post_error = 0;
+      op.cancelled.store(false, std::memory_order_relaxed);
+    }
+    task<result<std::uint64_t>> wait_then_post() {
+      conn_state* s = op.c;
+      if (auto r = co_await s->sq.acquire(); !r) co_return r.error();
+      if (op.credit) {
+        if (auto r = co_await s->credits.acquire(); !r) {
+          s->sq.release();
+          co_return r.error();
+        }
+      }
+      rearm();
+      co_return co_await op;
+    }
+  };
+
   // posted_op yields the atomic's word (or byte_len); void operations drop it.
   template <class T>
   static result<T> as_result(result<std::uint64_t> r) noexcept {

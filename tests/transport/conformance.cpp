@@ -134,6 +134,157 @@ TEST_CASE("write, read, write_with_imm: data verified") {
   }());
 }
 
+TEST_CASE("prepared operations: started again and again, data verified each time") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> target(1 << 16);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    auto rb = mr.remote(4096, 3000);
+    std::vector<std::byte> local(3000), back(3000);
+    auto w = p.client.prepare(operation::write(local, rb));
+    auto r = p.client.prepare(operation::read(back, rb));
+    auto wi = p.client.prepare(operation::write_with_imm(local, rb, 77));
+    auto s = p.client.prepare(operation::send(local));
+    REQUIRE(w.has_value());
+    REQUIRE(r.has_value());
+    REQUIRE(wi.has_value());
+    REQUIRE(s.has_value());
+    for (unsigned i = 0; i < 3; ++i) {
+      // The memory is read at each start: new contents, same operation.
+      auto data = pattern(local.size(), i + 1);
+      std::copy(data.begin(), data.end(), local.begin());
+      REQUIRE((co_await w->start()).has_value());
+      CHECK(std::memcmp(target.data() + 4096, data.data(), data.size()) == 0);
+      std::fill(target.begin() + 4096, target.begin() + 4096 + 3000, std::byte{0});
+      auto [a, m] = co_await when_all(wi->start(), p.server.recv());
+      REQUIRE(a.has_value());
+      REQUIRE(m.has_value());
+      CHECK(m->imm() == std::optional<std::uint32_t>(77));
+      CHECK(std::memcmp(target.data() + 4096, data.data(), data.size()) == 0);
+      std::fill(back.begin(), back.end(), std::byte{0});
+      REQUIRE((co_await r->start()).has_value());
+      CHECK(back == data);
+      auto [b, m2] = co_await when_all(s->start(), p.server.recv());
+      REQUIRE(b.has_value());
+      REQUIRE(m2.has_value());
+      CHECK(std::equal(m2->data().begin(), m2->data().end(), data.begin(), data.end()));
+      CHECK_FALSE(w->busy());
+    }
+    // As a task (with_timeout takes it).
+    auto t = co_await with_timeout(as_task(r->start()), 5s);
+    CHECK(t.has_value());
+    // A refused access fails that start and, as any operation, the connection.
+    auto bad = p.client.prepare(operation::read(back, mr.remote(target.size() - 10, 3000 + 10)));
+    REQUIRE(bad.has_value());
+    auto e = co_await bad->start();
+    CHECK(is_error(e.error(), errc::remote_access_error));
+    auto after = co_await r->start();
+    CHECK(is_error(after.error(), errc::disconnected));
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("prepared operations: bad arguments, one start at a time, cancellation, destroyed while started") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options opts;
+    opts.receive_buffers = 1;
+    opts.receive_buffer_size = 1024;
+    pair_t p;
+    co_await make_pair(p, opts);
+    auto msg = pattern(100, 3);
+    auto big = pattern(2000, 4);
+    auto over = p.client.prepare(operation::send(big));
+    CHECK(is_error(over.error(), errc::message_too_long));
+    prepared_operation empty;
+    CHECK_FALSE(empty);
+    CHECK((co_await empty.start()).error() == std::make_error_code(std::errc::invalid_argument));
+    connection none;
+    CHECK(is_error(none.prepare(operation::send(msg)).error(), errc::disconnected));
+
+    auto s = p.client.prepare(operation::send(msg));
+    REQUIRE(s.has_value());
+    REQUIRE((co_await s->start()).has_value());  // takes the peer's only credit
+    // The next start waits for a credit; a second one meanwhile is refused.
+    async_scope scope;
+    std::optional<result<void>> first;
+    auto starter = [](prepared_operation& op, std::optional<result<void>>& out) -> task<void> {
+      out.emplace(co_await op.start());
+    };
+    scope.spawn(starter(*s, first));
+    (void)co_await sleep_for(50ms);
+    CHECK_FALSE(first.has_value());
+    CHECK(s->busy());
+    CHECK((co_await s->start()).error() == std::make_error_code(std::errc::operation_in_progress));
+    // Cancelled while it waits for the credit: cancelled alone.
+    scope.request_stop();
+    co_await scope.join();
+    REQUIRE(first.has_value());
+    CHECK(first->error() == canceled);
+    CHECK_FALSE(s->busy());
+    CHECK(p.client.is_open());
+    {
+      auto m = co_await p.server.recv();  // the credit comes back
+      REQUIRE(m.has_value());
+    }
+    // Started again: it works on. Then one that waits, its prepared_operation
+    // destroyed meanwhile: the start still ends normally.
+    REQUIRE((co_await s->start()).has_value());
+    async_scope scope2;
+    std::optional<result<void>> second;
+    scope2.spawn(starter(*s, second));
+    (void)co_await sleep_for(20ms);
+    CHECK_FALSE(second.has_value());
+    *s = prepared_operation{};  // destroyed while its start waits
+    for (int i = 0; i < 2; ++i) {
+      auto m = co_await p.server.recv();
+      REQUIRE(m.has_value());
+      CHECK(m->size() == msg.size());
+    }
+    co_await scope2.join();
+    REQUIRE(second.has_value());
+    CHECK(second->has_value());
+    // After close, a start fails.
+    auto w = p.client.prepare(operation::send(msg));
+    REQUIRE(w.has_value());
+    co_await close_pair(p);
+    CHECK(is_error((co_await w->start()).error(), errc::disconnected));
+  }());
+}
+
+TEST_CASE("prepared operations: an in-flight start cancelled resumes only when its buffer is safe") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> target(32 << 20);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    auto local = std::make_unique<std::vector<std::byte>>(target.size());
+    auto op = p.client.prepare(operation::read(*local, mr.remote()));
+    REQUIRE(op.has_value());
+    async_scope scope;
+    std::optional<result<void>> out;
+    auto starter = [](prepared_operation& op, std::optional<result<void>>& out) -> task<void> {
+      out.emplace(co_await op.start());
+    };
+    scope.spawn(starter(*op, out));
+    scope.request_stop();
+    co_await scope.join();
+    REQUIRE(out.has_value());
+    CHECK((out->has_value() || out->error() == canceled));
+    CHECK_FALSE(op->busy());
+    if (!out->has_value()) {
+      *op = prepared_operation{};
+      local.reset();  // nothing writes it any more
+      (void)co_await sleep_for(20ms);
+      CHECK_FALSE(p.client.is_open());
+    }
+    co_await close_pair(p);
+  }());
+}
+
 TEST_CASE("registration cache and deregistration") {
   io_context ctx;
   ctx.run([]() -> task<void> {

@@ -139,6 +139,22 @@ struct op_args {
   std::uint64_t a = 0, b = 0;  // atomics' operands
 };
 
+// The provider's state of a prepared operation (connection::prepare): its
+// arguments resolved once, then started any number of times, one start at
+// a time. Each start is driven as an op_slot state: start() posts (true:
+// over already), suspend() waits (what to resume now, as op_slot's),
+// take() yields the outcome once. The two flags are the awaiter's
+// (transport.hpp: prepared_operation).
+class prepared_impl {
+ public:
+  virtual ~prepared_impl() = default;
+  virtual bool start() noexcept = 0;
+  virtual std::coroutine_handle<> suspend(std::coroutine_handle<> awaiter, std::stop_token token) = 0;
+  virtual result<void> take() = 0;
+  bool in_flight = false;  // a start is being awaited
+  bool orphaned = false;   // its prepared_operation is gone: the awaiter deletes it after take()
+};
+
 // A provider's entry for one single operation (transport.hpp: launch_table):
 // builds the operation in `out`. `c` is null for a connection without a
 // provider.

@@ -24,6 +24,7 @@ class connection_impl {
   virtual ~connection_impl() = default;
   const launch_table& single_ops;
   virtual task<result<void>> post_batch(std::span<const operation> ops) = 0;
+  virtual result<std::unique_ptr<prepared_impl>> prepare(const operation& op) = 0;
   virtual task<result<void>> close() = 0;
   virtual bool is_open() const noexcept = 0;
   virtual transport_kind kind() const noexcept = 0;
