@@ -27,6 +27,9 @@
 // registered memory for the peer's new value (the last byte, as perftest);
 // send_lat a ping-pong of sends; both report half the round trip. read_lat
 // times serial reads. atomic is a fetch_and_add rate test (8 B, D in flight).
+// Each latency iteration starts one operation prepared before the loop
+// (connection::prepare: its WR built once), as perftest posts one pre-built
+// WR; --ops single calls read() / write() / send() each time instead.
 // Latency tests busy-poll as perftest does: --spin-us (default 5000) is how
 // long the loop keeps polling the CQ (verbs: the domain's busy-poll budget
 // and the loop's spin budget) and the io_uring ring (tcp: ring_spin_budget)
@@ -211,6 +214,7 @@ struct options {
   std::uint32_t max_inline = connection_options{}.max_inline_data;
   std::uint64_t spin_us = 5000;
   std::string lat_method = "auto";  // write_lat: poll | imm | auto (poll on verbs, imm on tcp)
+  bool prepared = true;             // latency tests: --ops prepared | single
 };
 
 void usage(FILE* f) {
@@ -226,6 +230,10 @@ void usage(FILE* f) {
       "        --spin-us N (busy-poll the completion queue this long after the last completion, 5000)\n"
       "        --write-lat-method poll|imm|auto (write_lat: poll memory, or write_with_imm ping-pong;\n"
       "                                          auto: poll on verbs, imm on tcp)\n"
+      "        --ops prepared|single (latency tests: each iteration starts one operation prepared\n"
+      "                               before the loop (connection::prepare), as perftest posts one\n"
+      "                               pre-built WR; or calls read()/write()/send(); prepared. The\n"
+      "                               write_with_imm ping-pong always calls write_with_imm())\n"
       "        --batch B (bw: operations per post_batch, one signaled completion each; default depth/4 in\n"
       "                   1..64, i.e. 32 at depth 128; 1: every operation signaled, no post list)\n"
       "        --slots N (bw: the buffer slots of one message size that the operations cycle through, on\n"
@@ -308,6 +316,10 @@ options parse_args(int argc, char** argv) {
     } else if (k == "--slots") {
       o.slots = parse_size(val(), "--slots");
       if (o.slots == 0) fail("--slots must be at least 1");
+    } else if (k == "--ops") {
+      std::string v = val();
+      if (v != "prepared" && v != "single") fail("--ops must be prepared or single");
+      o.prepared = v == "prepared";
     } else if (k == "--spin-us") {
       o.spin_us = parse_size(val(), "--spin-us");
     } else if (k == "--write-lat-method") {
@@ -618,7 +630,7 @@ struct stamp_clock {
 };
 
 task<lat_row> run_lat(client_state& s, test_id t, std::uint64_t size, std::uint64_t iters, std::uint64_t warmup,
-                      bool imm) {
+                      bool imm, bool prepared) {
   const std::uint64_t total = iters + warmup;
   std::vector<std::uint64_t> ts(total + 1);  // stamped by index: nothing but a store per iteration
   const auto wall0 = clock::now();
@@ -636,28 +648,46 @@ task<lat_row> run_lat(client_state& s, test_id t, std::uint64_t size, std::uint6
       auto m = check(std::move(rr), "recv (write_lat)");
       if (m.imm() != std::uint32_t(i) || *flag != lat_marker(i)) fail("write_lat: unexpected immediate/data");
     }
+    // As perftest: post, then poll. The write's own completion comes
+    // before the peer can answer it, so waiting for it first costs nothing.
+    prepared_operation op;
+    if (!imm && prepared) op = check(s.c.prepare(operation::write(local, rb)), "prepare (write_lat)");
     for (std::uint64_t i = 0; i < total && !imm; ++i) {
       ts[i] = stamp_clock::now();
       local[size - 1] = lat_marker(i);
-      // As perftest: post, then poll. The write's own completion comes
-      // before the peer can answer it, so waiting for it first costs nothing.
-      require(co_await s.c.write(local, rb), "write (write_lat)");
+      if (prepared)
+        require(co_await op.start(), "write (write_lat)");
+      else
+        require(co_await s.c.write(local, rb), "write (write_lat)");
       while (!byte_arrived(flag, lat_marker(i))) co_await yield();
     }
   } else if (t == test_id::send_lat) {
+    prepared_operation op;
+    if (prepared) op = check(s.c.prepare(operation::send(local)), "prepare (send_lat)");
     for (std::uint64_t i = 0; i < total; ++i) {
       ts[i] = stamp_clock::now();
       // Send, then receive (the receive is posted all along: the pong can
       // arrive before the send's completion is seen and waits in the queue).
-      require(co_await s.c.send(local), "send (send_lat)");
+      if (prepared)
+        require(co_await op.start(), "send (send_lat)");
+      else
+        require(co_await s.c.send(local), "send (send_lat)");
       auto m = co_await s.c.recv();
       require(m, "recv (send_lat)");
       if (m->size() != size) fail("send_lat: pong of the wrong size");
     }
   } else {  // read_lat
-    for (std::uint64_t i = 0; i < total; ++i) {
-      ts[i] = stamp_clock::now();
-      require(co_await s.c.read(local, rb), "read (read_lat)");
+    if (prepared) {
+      auto op = check(s.c.prepare(operation::read(local, rb)), "prepare (read_lat)");
+      for (std::uint64_t i = 0; i < total; ++i) {
+        ts[i] = stamp_clock::now();
+        require(co_await op.start(), "read (read_lat)");
+      }
+    } else {
+      for (std::uint64_t i = 0; i < total; ++i) {
+        ts[i] = stamp_clock::now();
+        require(co_await s.c.read(local, rb), "read (read_lat)");
+      }
     }
     if (!has_pattern(local.data(), size)) fail("read_lat: data read back does not match");
   }
@@ -753,7 +783,7 @@ task<int> client_main(const options& o) {
     std::optional<bw_row> bw;
     std::optional<lat_row> lat;
     if (t.latency)
-      lat = co_await run_lat(s, t.id, size, iters, warmup, imm);
+      lat = co_await run_lat(s, t.id, size, iters, warmup, imm, o.prepared);
     else
       bw = co_await run_bw(s, t.id, size, iters, warmup, depth, batch);
     ctrl e{};
@@ -774,11 +804,11 @@ task<int> client_main(const options& o) {
                   lat->tmin, lat->typical, lat->avg, lat->p99);
       if (o.json)
         std::printf("{\"test\":\"%s\",\"transport\":\"%s\",\"bytes\":%" PRIu64 ",\"iterations\":%" PRIu64
-                    ",\"method\":\"%s\",\"t_min_us\":%.3f,\"t_typical_us\":%.3f,\"t_avg_us\":%.3f,\"t_99_us\":%.3f}\n",
+                    ",\"method\":\"%s\",\"ops\":\"%s\",\"t_min_us\":%.3f,\"t_typical_us\":%.3f,\"t_avg_us\":%.3f,\"t_99_us\":%.3f}\n",
                     t.name, to_string(s.c.kind()), lat->size, lat->iters,
                     t.id == test_id::write_lat ? (imm ? "write-imm-pingpong" : "write-pingpong-poll") : t.id == test_id::send_lat ? "send-pingpong"
                                                                                                   : "serial-read",
-                    lat->tmin, lat->typical, lat->avg, lat->p99);
+                    o.prepared && !imm ? "prepared" : "single", lat->tmin, lat->typical, lat->avg, lat->p99);
     }
     std::fflush(stdout);
   }

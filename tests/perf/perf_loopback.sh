@@ -32,7 +32,8 @@ start_server --loop
 for t in "write_bw --size 64K --depth 8" "read_bw --size 64K --depth 8" "send_bw --size 4K --depth 16" \
          "write_bw --size 64K --depth 8 --slots 1" "read_bw --size 4K --depth 16 --slots 2" \
          "atomic --depth 4" "write_lat --size 64" "write_lat --size 64 --write-lat-method poll" \
-         "send_lat --size 64" "read_lat --size 4K"; do
+         "write_lat --size 64 --write-lat-method poll --ops single" "send_lat --size 64" \
+         "send_lat --size 64 --ops single" "read_lat --size 4K" "read_lat --size 4K --ops single"; do
   # shellcheck disable=SC2086
   "$perf" 127.0.0.1 --transport tcp --port "$port" --test $t --iters 50 --json >"$work/client.log" 2>&1 ||
     fail "client '$t' exited non-zero"
@@ -45,4 +46,7 @@ grep -q "unknown test" "$work/bad.log" || fail "no message for a bad --test"
 "$perf" 127.0.0.1 --transport tcp --port "$port" --test write_bw --slots 0 >"$work/bad.log" 2>&1 &&
   fail "--slots 0 accepted"
 grep -q "slots must be at least 1" "$work/bad.log" || fail "no message for --slots 0"
+"$perf" 127.0.0.1 --transport tcp --port "$port" --test read_lat --ops some >"$work/bad.log" 2>&1 &&
+  fail "--ops some accepted"
+grep -q "ops must be prepared or single" "$work/bad.log" || fail "no message for a bad --ops"
 echo "ok"
