@@ -1709,6 +1709,7 @@ class verbs_connection final : public connection_impl {
     auto r = s->local_sge(o.local, need_write, may_inline, wr, p->op.sge);
     if (!r) return r.error();
     p->region = core::hold(*r);
+    p->inline_send = opcode == IBV_WR_SEND_WITH_IMM && (wr.send_flags & IBV_SEND_INLINE) != 0;
     return std::unique_ptr<prepared_impl>(std::move(p));
   }
 
@@ -1756,7 +1757,14 @@ class verbs_connection final : public connection_impl {
       op.sge = {};
     }
     bool start() noexcept override {
-      posted = op.c->try_reserve(op.credit);
+      conn_state* s = op.c;
+      if (inline_send && s->usable() && s->try_reserve(true)) {
+        // As a single small send: inline, unsignaled, done once posted.
+        sent_inline = true;
+        inline_result = s->post_inline_send(std::span(reinterpret_cast<const std::byte*>(op.sge.addr), op.sge.length));
+        return true;
+      }
+      posted = s->try_reserve(op.credit);
       if (!posted) return false;  // suspend() waits for them
       rearm();
       return op.await_ready();
@@ -1774,6 +1782,10 @@ class verbs_connection final : public connection_impl {
       return child;
     }
     result<void> take() override {
+      if (sent_inline) {
+        sent_inline = false;
+        return inline_result;
+      }
       if (waiting) {
         auto r = waiting->handle().promise().take();
         waiting.reset();
@@ -1782,8 +1794,12 @@ class verbs_connection final : public connection_impl {
       return as_result<void>(op.await_resume());
     }
 
+    bool inline_send = false;  // a send that goes inline (connection::send's small ones)
+
    private:
     bool posted = false;  // this start holds its slot and credit and posted (start's fast path)
+    bool sent_inline = false;
+    result<void> inline_result;
     void rearm() noexcept {
       op.h = {};  // complete() must not wake an earlier start's awaiter
       op.done = false;

@@ -147,6 +147,8 @@ TEST_CASE("prepared operations: started again and again, data verified each time
     auto r = p.client.prepare(operation::read(back, rb));
     auto wi = p.client.prepare(operation::write_with_imm(local, rb, 77));
     auto s = p.client.prepare(operation::send(local));
+    auto small = p.client.prepare(operation::send(std::span(local).first(16)));  // inline on verbs
+    REQUIRE(small.has_value());
     REQUIRE(w.has_value());
     REQUIRE(r.has_value());
     REQUIRE(wi.has_value());
@@ -170,6 +172,10 @@ TEST_CASE("prepared operations: started again and again, data verified each time
       REQUIRE(b.has_value());
       REQUIRE(m2.has_value());
       CHECK(std::equal(m2->data().begin(), m2->data().end(), data.begin(), data.end()));
+      auto [c, m3] = co_await when_all(small->start(), p.server.recv());
+      REQUIRE(c.has_value());
+      REQUIRE(m3.has_value());
+      CHECK(std::equal(m3->data().begin(), m3->data().end(), data.begin(), data.begin() + 16));
       CHECK_FALSE(w->busy());
     }
     // As a task (with_timeout takes it).
@@ -187,14 +193,18 @@ TEST_CASE("prepared operations: started again and again, data verified each time
 }
 
 TEST_CASE("prepared operations: bad arguments, one start at a time, cancellation, destroyed while started") {
+  std::size_t size = 100;  // above max_inline_data: signaled
+  SUBCASE("a signaled send") { size = 100; }
+  SUBCASE("an inline send (verbs)") { size = 16; }
   io_context ctx;
-  ctx.run([]() -> task<void> {
+  // ctx.run returns when the task is done: the capture outlives it.
+  ctx.run([size]() -> task<void> {
     connection_options opts;
     opts.receive_buffers = 1;
     opts.receive_buffer_size = 1024;
     pair_t p;
     co_await make_pair(p, opts);
-    auto msg = pattern(100, 3);
+    auto msg = pattern(size, 3);
     auto big = pattern(2000, 4);
     auto over = p.client.prepare(operation::send(big));
     CHECK(is_error(over.error(), errc::message_too_long));
