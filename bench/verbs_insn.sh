@@ -19,7 +19,10 @@
 # The measured side runs ~50x slower, so its peer's answer is nearly always
 # waiting when it polls: busy-poll spins hardly count.
 #
-# Usage: [TESTS="send_lat write_lat read_lat"] [N1=500] [N2=4500] bench/verbs_insn.sh [BUILD_DIR]
+# shuttle-perf issues its latency operations as OPS says (--ops: prepared, its
+# default and the way perftest posts one pre-built WR, or single).
+#
+# Usage: [TESTS="send_lat write_lat read_lat"] [N1=500] [N2=4500] [OPS=prepared] bench/verbs_insn.sh [BUILD_DIR]
 # (needs valgrind and perftest, and tests/softrdma/install-deps.sh's packages)
 set -euo pipefail
 here=$(dirname "$(readlink -f "$0")")
@@ -41,7 +44,7 @@ if [ "${1:-}" = --in-guest ]; then
     port=$((port + 1))
     if [ "$tool" = shuttle ]; then
       s=("$perf" $O --bind $addr --port $port)
-      c=("$perf" $addr $O --port $port --test "$t" --size 2 --iters "$n" --warmup 0 --depth 1)
+      c=("$perf" $addr $O --port $port --test "$t" --size 2 --iters "$n" --warmup 0 --depth 1 --ops "${OPS:-prepared}")
     else
       s=("ib_$t" $P -p $port -s 2 -n "$n")
       c=("ib_$t" $P -p $port -s 2 -n "$n" $addr)
@@ -100,9 +103,9 @@ for b in valgrind ib_send_lat ib_write_lat ib_read_lat; do
 done
 perf=$(readlink -f "$build/examples/shuttle-perf")
 echo "# verbs_insn: user-space instructions per iteration (callgrind), shuttle-perf vs perftest" \
-  "$(dpkg-query -W -f='${Version}' perftest 2>/dev/null), 2-byte messages, Soft-RoCE rxe0 in a TCG guest"
+  "$(dpkg-query -W -f='${Version}' perftest 2>/dev/null), 2-byte messages, shuttle --ops ${OPS:-prepared}, Soft-RoCE rxe0 in a TCG guest"
 set +e
-bash tests/softrdma/guest-run.sh -M 9000 -t 3000 -e TESTS="${TESTS:-send_lat write_lat read_lat}" -e N1="${N1:-500}" \
+bash tests/softrdma/guest-run.sh -M 9000 -t 3000 -e TESTS="${TESTS:-send_lat write_lat read_lat}" -e N1="${N1:-500}" -e OPS="${OPS:-prepared}" \
   -e N2="${N2:-4500}" -- bash "$(readlink -f "$0")" --in-guest "$perf"
 rc=$?
 [ $rc = 77 ] && echo "verbs_insn.sh: no Soft-RoCE guest available (skipped)" >&2

@@ -1761,7 +1761,7 @@ class verbs_connection final : public connection_impl {
       if (inline_send && s->usable() && s->try_reserve(true)) {
         // As a single small send: inline, unsignaled, done once posted.
         sent_inline = true;
-        inline_result = s->post_inline_send(std::span(reinterpret_cast<const std::byte*>(op.sge.addr), op.sge.length));
+        inline_result = s->post_inline_send({reinterpret_cast<const std::byte*>(op.sge.addr), op.sge.length});
         return true;
       }
       posted = s->try_reserve(op.credit);
