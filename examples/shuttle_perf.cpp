@@ -677,17 +677,14 @@ task<lat_row> run_lat(client_state& s, test_id t, std::uint64_t size, std::uint6
       if (m->size() != size) fail("send_lat: pong of the wrong size");
     }
   } else {  // read_lat
-    if (prepared) {
-      auto op = check(s.c.prepare(operation::read(local, rb)), "prepare (read_lat)");
-      for (std::uint64_t i = 0; i < total; ++i) {
-        ts[i] = stamp_clock::now();
+    prepared_operation op;
+    if (prepared) op = check(s.c.prepare(operation::read(local, rb)), "prepare (read_lat)");
+    for (std::uint64_t i = 0; i < total; ++i) {
+      ts[i] = stamp_clock::now();
+      if (prepared)
         require(co_await op.start(), "read (read_lat)");
-      }
-    } else {
-      for (std::uint64_t i = 0; i < total; ++i) {
-        ts[i] = stamp_clock::now();
+      else
         require(co_await s.c.read(local, rb), "read (read_lat)");
-      }
     }
     if (!has_pattern(local.data(), size)) fail("read_lat: data read back does not match");
   }

@@ -756,65 +756,51 @@ class tcp_connection final : public connection_impl {
   void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) {
     out.set_task(fetch_and_add_task(remote, add));
   }
+  // One operation's request header, as post_batch and prepare build it.
+  result<header> header_of(const operation& o) const {
+    switch (o.op) {
+      case operation::type::send: {
+        if (o.local.size() > s_->peer.receive_buffer_size) return make_error_code(errc::message_too_long);
+        header h;
+        h.op = opcode::send;
+        h.length = static_cast<std::uint32_t>(o.local.size());
+        return h;
+      }
+      case operation::type::write:
+      case operation::type::write_with_imm:
+      case operation::type::read: {
+        if (o.local.size() > max_rdma_length) return make_error_code(errc::message_too_long);
+        opcode op = o.op == operation::type::write  ? opcode::write
+                    : o.op == operation::type::read ? opcode::read_req
+                                                    : opcode::write_imm;
+        header h = one_sided(op, o.remote, o.local.size());
+        if (op == opcode::write_imm) {
+          h.flags = flag_imm;
+          h.imm = o.imm;
+        }
+        return h;
+      }
+      default: return std::make_error_code(std::errc::invalid_argument);
+    }
+  }
   task<result<void>> post_batch(std::span<const operation> ops) override {
     std::vector<header> hs;
     hs.reserve(ops.size());
     for (const operation& o : ops) {
-      switch (o.op) {
-        case operation::type::send: {
-          if (o.local.size() > s_->peer.receive_buffer_size) return fail<void>(errc::message_too_long);
-          header h;
-          h.op = opcode::send;
-          h.length = static_cast<std::uint32_t>(o.local.size());
-          hs.push_back(h);
-          break;
-        }
-        case operation::type::write:
-        case operation::type::write_with_imm:
-        case operation::type::read: {
-          if (o.local.size() > max_rdma_length) return fail<void>(errc::message_too_long);
-          opcode op = o.op == operation::type::write ? opcode::write
-                      : o.op == operation::type::read ? opcode::read_req
-                                                      : opcode::write_imm;
-          header h = one_sided(op, o.remote, o.local.size());
-          if (op == opcode::write_imm) {
-            h.flags = flag_imm;
-            h.imm = o.imm;
-          }
-          hs.push_back(h);
-          break;
-        }
-        default: return finish_now(std::make_error_code(std::errc::invalid_argument));
-      }
+      auto h = header_of(o);
+      if (!h) return finish_now(h.error());
+      hs.push_back(*h);
     }
     if (hs.empty()) return finish_now({});
     return conn_state::submit_batch(s_, std::move(hs), ops);
   }
   result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override {
+    auto h = header_of(o);
+    if (!h) return h.error();
     auto p = std::make_unique<prepared_state>();
     p->s = s_;
+    p->h = *h;
     p->local = o.local;
-    switch (o.op) {
-      case operation::type::send:
-        if (o.local.size() > s_->peer.receive_buffer_size) return make_error_code(errc::message_too_long);
-        p->h.op = opcode::send;
-        p->h.length = static_cast<std::uint32_t>(o.local.size());
-        break;
-      case operation::type::write:
-      case operation::type::write_with_imm:
-      case operation::type::read:
-        if (o.local.size() > max_rdma_length) return make_error_code(errc::message_too_long);
-        p->h = one_sided(o.op == operation::type::write  ? opcode::write
-                         : o.op == operation::type::read ? opcode::read_req
-                                                         : opcode::write_imm,
-                         o.remote, o.local.size());
-        if (o.op == operation::type::write_with_imm) {
-          p->h.flags = flag_imm;
-          p->h.imm = o.imm;
-        }
-        break;
-      default: return std::make_error_code(std::errc::invalid_argument);
-    }
     return std::unique_ptr<prepared_impl>(std::move(p));
   }
   task<result<void>> close() override { return conn_state::close(s_); }
@@ -889,23 +875,17 @@ class tcp_connection final : public connection_impl {
     std::shared_ptr<conn_state> s;
     header h;
     std::span<const std::byte> local;
-    std::optional<task<result<void>>> t;
+    op_slot<void> slot;  // the current start's task
     bool start() noexcept override { return false; }
     std::coroutine_handle<> suspend(std::coroutine_handle<> awaiter, std::stop_token token) override {
       if (h.op == opcode::read_req)
-        t.emplace(read_impl(s, h, {const_cast<std::byte*>(local.data()), local.size()}));
+        slot.set_task(read_impl(s, h, {const_cast<std::byte*>(local.data()), local.size()}));
       else
-        t.emplace(conn_state::submit_void(s, h, local));
-      auto child = t->handle();
-      child.promise().set_continuation(awaiter);
-      child.promise().set_stop_token(std::move(token));
-      return child;
+        slot.set_task(conn_state::submit_void(s, h, local));
+      if (slot.start()) return awaiter;
+      return slot.suspend(awaiter, std::move(token));
     }
-    result<void> take() override {
-      auto r = t->handle().promise().take();
-      t.reset();
-      return r;
-    }
+    result<void> take() override { return slot.take(); }
   };
   std::shared_ptr<conn_state> s_;
 };

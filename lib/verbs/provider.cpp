@@ -1611,6 +1611,42 @@ class verbs_connection final : public connection_impl {
     atomic(out, remote, IBV_WR_ATOMIC_FETCH_AND_ADD, add, 0);
   }
 
+  // One operation's WR and local sge, as post_batch and prepare build them:
+  // the opcode, the remote side, the immediate. `credit`: it consumes a
+  // receive on the peer. The registration, if any, is local_sge's.
+  static result<verbs_region*> build_wr(conn_state* s, const operation& o, ibv_send_wr& wr, ibv_sge& sge,
+                                        bool& credit) {
+    bool need_write = false, may_inline = true;
+    credit = false;
+    switch (o.op) {
+      case operation::type::send:
+        if (o.local.size() > s->peer_buffer) return make_error_code(errc::message_too_long);
+        wr.opcode = IBV_WR_SEND_WITH_IMM;  // the immediate carries returned credits
+        credit = true;
+        break;
+      case operation::type::write:
+      case operation::type::write_with_imm:
+        wr.opcode = o.op == operation::type::write ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_WRITE_WITH_IMM;
+        if (o.op == operation::type::write_with_imm) {
+          wr.imm_data = htonl(o.imm);
+          credit = true;
+        }
+        wr.wr.rdma.remote_addr = o.remote.address;
+        wr.wr.rdma.rkey = o.remote.rkey;
+        break;
+      case operation::type::read:
+        wr.opcode = IBV_WR_RDMA_READ;
+        wr.wr.rdma.remote_addr = o.remote.address;
+        wr.wr.rdma.rkey = o.remote.rkey;
+        need_write = true;
+        may_inline = false;
+        break;
+      default: return std::make_error_code(std::errc::invalid_argument);
+    }
+    if (o.local.size() > (std::size_t(1) << 31)) return make_error_code(errc::message_too_long);
+    return s->local_sge(o.local, need_write, may_inline, wr, sge);
+  }
+
   task<result<void>> post_batch(std::span<const operation> ops) override {
     auto s = s_;
     if (ops.empty()) co_return result<void>{};
@@ -1619,37 +1655,10 @@ class verbs_connection final : public connection_impl {
     std::vector<char> credit(ops.size(), 0);
     std::vector<std::shared_ptr<verbs_region>> keep;
     for (std::size_t i = 0; i < ops.size(); ++i) {
-      const operation& o = ops[i];
-      ibv_send_wr& wr = wrs[i];
-      bool need_write = false, may_inline = true;
-      switch (o.op) {
-        case operation::type::send:
-          if (o.local.size() > s->peer_buffer) co_return make_error_code(errc::message_too_long);
-          wr.opcode = IBV_WR_SEND_WITH_IMM;
-          credit[i] = 1;
-          break;
-        case operation::type::write:
-        case operation::type::write_with_imm:
-          wr.opcode = o.op == operation::type::write ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_WRITE_WITH_IMM;
-          if (o.op == operation::type::write_with_imm) {
-            wr.imm_data = htonl(o.imm);
-            credit[i] = 1;
-          }
-          wr.wr.rdma.remote_addr = o.remote.address;
-          wr.wr.rdma.rkey = o.remote.rkey;
-          break;
-        case operation::type::read:
-          wr.opcode = IBV_WR_RDMA_READ;
-          wr.wr.rdma.remote_addr = o.remote.address;
-          wr.wr.rdma.rkey = o.remote.rkey;
-          need_write = true;
-          may_inline = false;
-          break;
-        default: co_return std::make_error_code(std::errc::invalid_argument);
-      }
-      if (o.local.size() > (std::size_t(1) << 31)) co_return make_error_code(errc::message_too_long);
-      auto r = s->local_sge(o.local, need_write, may_inline, wr, sges[i]);
+      bool cr = false;
+      auto r = build_wr(s.get(), ops[i], wrs[i], sges[i], cr);
       if (!r) co_return r.error();
+      credit[i] = cr;
       if (*r && (keep.empty() || keep.back().get() != *r)) keep.push_back(core::hold(*r));
     }
     co_return co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep));
@@ -1677,39 +1686,11 @@ class verbs_connection final : public connection_impl {
   }
 
   result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override {
-    conn_state* s = s_.get();
-    ibv_wr_opcode opcode = IBV_WR_RDMA_WRITE;
-    bool credit = false, need_write = false, may_inline = true;
-    switch (o.op) {
-      case operation::type::send:
-        if (o.local.size() > s->peer_buffer) return make_error_code(errc::message_too_long);
-        opcode = IBV_WR_SEND_WITH_IMM;  // the immediate carries returned credits
-        credit = true;
-        break;
-      case operation::type::write: break;
-      case operation::type::write_with_imm:
-        opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-        credit = true;
-        break;
-      case operation::type::read:
-        opcode = IBV_WR_RDMA_READ;
-        need_write = true;
-        may_inline = false;
-        break;
-      default: return std::make_error_code(std::errc::invalid_argument);
-    }
-    if (o.local.size() > (std::size_t(1) << 31)) return make_error_code(errc::message_too_long);
-    auto p = std::make_unique<prepared_state>(s_, opcode, credit);
-    ibv_send_wr& wr = p->op.wr;
-    if (opcode != IBV_WR_SEND_WITH_IMM) {
-      wr.wr.rdma.remote_addr = o.remote.address;
-      wr.wr.rdma.rkey = o.remote.rkey;
-    }
-    if (opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = htonl(o.imm);
-    auto r = s->local_sge(o.local, need_write, may_inline, wr, p->op.sge);
+    auto p = std::make_unique<prepared_state>(s_);
+    auto r = build_wr(s_.get(), o, p->op.wr, p->op.sge, p->op.credit);
     if (!r) return r.error();
     p->region = core::hold(*r);
-    p->inline_send = opcode == IBV_WR_SEND_WITH_IMM && (wr.send_flags & IBV_SEND_INLINE) != 0;
+    p->inline_send = p->op.wr.opcode == IBV_WR_SEND_WITH_IMM && (p->op.wr.send_flags & IBV_SEND_INLINE) != 0;
     return std::unique_ptr<prepared_impl>(std::move(p));
   }
 
@@ -1749,11 +1730,11 @@ class verbs_connection final : public connection_impl {
   struct prepared_state final : prepared_impl {
     std::shared_ptr<conn_state> conn;
     std::shared_ptr<verbs_region> region;  // null: inline or empty
-    conn_state::posted_op op;
-    std::optional<task<result<std::uint64_t>>> waiting;  // a start that waits for a slot or a credit
+    conn_state::posted_op op;  // opcode, credit, WR and sge: build_wr's
+    op_slot<std::uint64_t> waiting;  // a start that waits for a slot or a credit (execute)
 
-    prepared_state(std::shared_ptr<conn_state> c, ibv_wr_opcode opcode, bool credit) noexcept
-        : conn(std::move(c)), op(conn.get(), opcode, credit, false) {
+    explicit prepared_state(std::shared_ptr<conn_state> c) noexcept
+        : conn(std::move(c)), op(conn.get(), IBV_WR_SEND, false, false) {
       op.sge = {};
     }
     bool start() noexcept override {
@@ -1775,23 +1756,17 @@ class verbs_connection final : public connection_impl {
         if (t.stop_possible()) op.scb.emplace(std::move(t), conn_state::op_wait::cancel_cb{&op});
         return std::noop_coroutine();
       }
-      waiting.emplace(wait_then_post());
-      auto child = waiting->handle();
-      child.promise().set_continuation(h);
-      child.promise().set_stop_token(std::move(t));
-      return child;
+      // A task waits for the slot and the credit, as for a single operation.
+      waiting.set_task(op.c->execute(op.wr, op.sge, op.credit, false, region));
+      if (waiting.start()) return h;
+      return waiting.suspend(h, std::move(t));
     }
     result<void> take() override {
       if (sent_inline) {
         sent_inline = false;
         return inline_result;
       }
-      if (waiting) {
-        auto r = waiting->handle().promise().take();
-        waiting.reset();
-        return as_result<void>(std::move(r));
-      }
-      return as_result<void>(op.await_resume());
+      return as_result<void>(posted ? op.await_resume() : waiting.take());
     }
 
     bool inline_send = false;  // a send that goes inline (connection::send's small ones)
@@ -1806,18 +1781,6 @@ class verbs_connection final : public connection_impl {
       op.status = IBV_WC_SUCCESS;
       op.post_error = 0;
       op.cancelled.store(false, std::memory_order_relaxed);
-    }
-    task<result<std::uint64_t>> wait_then_post() {
-      conn_state* s = op.c;
-      if (auto r = co_await s->sq.acquire(); !r) co_return r.error();
-      if (op.credit) {
-        if (auto r = co_await s->credits.acquire(); !r) {
-          s->sq.release();
-          co_return r.error();
-        }
-      }
-      rearm();
-      co_return co_await op;
     }
   };
 
