@@ -1202,6 +1202,22 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     // Inlined into the launch (finish_setup): a call's prologue and
     // epilogue cost a tenth of this path in an emulated guest.
     [[gnu::always_inline]] bool await_ready() noexcept {
+      set_post_fields();
+      return post();
+    }
+    // The fields that tie the WR to this op: the same for every post of
+    // it, so a prepared operation sets them once.
+    [[gnu::always_inline]] void set_post_fields() noexcept {
+      ctx = c->dom->loop;
+      on_wc = &op_wait::on_complete;
+      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(this));
+      wr.send_flags |= IBV_SEND_SIGNALED;
+      wr.sg_list = &sge;
+      wr.num_sge = sge.length > 0 || atomic_result ? 1 : 0;
+    }
+    // Posts the WR (set_post_fields done); true: over already (failed, or
+    // completed by the inline look at the CQ).
+    [[gnu::always_inline]] bool post() noexcept {
       if (!c->usable()) {
         post_error = -1;
         c->unreserve(credit);
@@ -1214,12 +1230,6 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         sge.length = 8;
         sge.lkey = c->scratch_mr->lkey;
       }
-      ctx = c->dom->loop;
-      on_wc = &op_wait::on_complete;
-      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(this));
-      wr.send_flags |= IBV_SEND_SIGNALED;
-      wr.sg_list = &sge;
-      wr.num_sge = sge.length > 0 || atomic_result ? 1 : 0;
       if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits
         std::uint32_t n = std::min<std::uint32_t>(c->to_return, 0xffff);
         c->to_return -= n;
@@ -1690,6 +1700,7 @@ class verbs_connection final : public connection_impl {
     auto r = build_wr(s_.get(), o, p->op.wr, p->op.sge, p->op.credit);
     if (!r) return r.error();
     p->region = core::hold(*r);
+    p->op.set_post_fields();
     p->inline_send = p->op.wr.opcode == IBV_WR_SEND_WITH_IMM && (p->op.wr.send_flags & IBV_SEND_INLINE) != 0;
     return std::unique_ptr<prepared_impl>(std::move(p));
   }
@@ -1724,7 +1735,7 @@ class verbs_connection final : public connection_impl {
     [[gnu::always_inline]] result<T> take() noexcept { return as_result<T>(op.await_resume()); }
   };
   // A prepared operation (connection::prepare): one posted_op whose WR is
-  // built once and posted again by each start. The connection's state and
+  // built (build_wr, set_post_fields) once and posted again by each start. The connection's state and
   // the local registration are held for its life, so a start takes no
   // reference of its own either.
   struct prepared_state final : prepared_impl {
@@ -1748,7 +1759,7 @@ class verbs_connection final : public connection_impl {
       posted = s->try_reserve(op.credit);
       if (!posted) return false;  // suspend() waits for them
       rearm();
-      return op.await_ready();
+      return op.post();
     }
     std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) override {
       if (posted) {
