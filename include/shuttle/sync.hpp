@@ -59,8 +59,10 @@ class semaphore {
  public:
   explicit semaphore(std::size_t initial) noexcept : count_(initial) {}
   std::size_t available() const noexcept { return count_; }
+  // Whether try_acquire() would succeed now.
+  bool can_acquire() const noexcept { return count_ > 0 && waiters_.empty(); }
   bool try_acquire() noexcept {
-    if (count_ == 0 || !waiters_.empty()) return false;
+    if (!can_acquire()) return false;
     --count_;
     return true;
   }

@@ -243,12 +243,14 @@ class prepared_operation {
 
   class [[nodiscard]] awaiter {
    public:
+    using start_result = detail::prepared_impl::start_result;
     explicit awaiter(detail::prepared_impl* p) noexcept : p_(p) {}
     // Inlined into the awaiting coroutine, as connection_op's.
     [[gnu::always_inline]] bool await_ready() noexcept {
       if (!p_ || p_->in_flight) return true;
-      p_->in_flight = started_ = true;
-      return p_->start();
+      p_->in_flight = true;
+      state_ = p_->start();
+      return state_ != start_result::pending;
     }
     template <class P>
     std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) {
@@ -260,7 +262,11 @@ class prepared_operation {
       }
     }
     result<void> await_resume() {
-      if (!started_)
+      if (state_ == start_result::succeeded) {  // over in await_ready: nothing ran since, nothing to free
+        p_->in_flight = false;
+        return {};
+      }
+      if (state_ == start_result::not_started)
         return std::make_error_code(p_ ? std::errc::operation_in_progress : std::errc::invalid_argument);
       struct end_start {
         detail::prepared_impl* p;
@@ -274,7 +280,7 @@ class prepared_operation {
 
    private:
     detail::prepared_impl* p_;
-    bool started_ = false;
+    start_result state_ = start_result::not_started;
   };
   // One execution: co_await op.start() (or pass it to as_task / with_timeout).
   awaiter start() noexcept { return awaiter{impl_}; }

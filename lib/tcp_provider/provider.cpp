@@ -876,7 +876,7 @@ class tcp_connection final : public connection_impl {
     header h;
     std::span<const std::byte> local;
     op_slot<void> slot;  // the current start's task
-    bool start() noexcept override { return false; }
+    start_result start() noexcept override { return start_result::pending; }
     std::coroutine_handle<> suspend(std::coroutine_handle<> awaiter, std::stop_token token) override {
       if (h.op == opcode::read_req)
         slot.set_task(read_impl(s, h, {const_cast<std::byte*>(local.data()), local.size()}));

@@ -141,14 +141,20 @@ struct op_args {
 
 // The provider's state of a prepared operation (connection::prepare): its
 // arguments resolved once, then started any number of times, one start at
-// a time. Each start is driven as an op_slot state: start() posts (true:
-// over already), suspend() waits (what to resume now, as op_slot's),
+// a time. Each start is driven as an op_slot state: start() posts and says
+// how far it got, suspend() waits (what to resume now, as op_slot's),
 // take() yields the outcome once. The two flags are the awaiter's
 // (transport.hpp: prepared_operation).
 class prepared_impl {
  public:
+  enum class start_result : std::uint8_t {
+    not_started,  // the awaiter's own: the start was refused (empty, or one in flight)
+    pending,      // suspend() waits for it
+    over,         // take() yields the outcome
+    succeeded,    // over and succeeded, with nothing to take: a start that completed at once
+  };
   virtual ~prepared_impl() = default;
-  virtual bool start() noexcept = 0;
+  virtual start_result start() noexcept = 0;
   virtual std::coroutine_handle<> suspend(std::coroutine_handle<> awaiter, std::stop_token token) = 0;
   virtual result<void> take() = 0;
   bool in_flight = false;  // a start is being awaited
