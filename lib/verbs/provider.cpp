@@ -394,6 +394,12 @@ struct core final : poller, std::enable_shared_from_this<core> {
   [[gnu::always_inline]] inline bool poll_cq_inlined();
   // One completion to whatever waits for it (poll_cq's body).
   [[gnu::always_inline]] inline void dispatch(const ibv_wc& wc) noexcept;
+  // `n` completions taken from the CQ: the statistics, and the busy-poll
+  // budget's "last completion seen" (try_enter_interrupt_mode).
+  void count_seen(int n) noexcept {
+    st.completions += static_cast<std::uint64_t>(n);
+    ++wc_seen;
+  }
   bool try_enter_interrupt_mode() override {
     if (!repost_conns.empty() || !srq_released.empty()) flush_reposts();  // never sleep on unposted buffers
     if (inflight > 0 || rx_waiters > 0) {
@@ -1244,15 +1250,19 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         c->unreserve(credit);
         return true;
       }
-      ++c->outstanding;
-      ++c->inflight_ops;
-      ++c->dom->inflight;
+      count_posted();
       // Soft-RoCE (and a fast NIC) may have completed it already: one look
       // at the CQ here saves a turn of the loop (a suspension, a wake-up) on
       // the latency path. Coroutines are never resumed from inside the
       // poller (wake-ups are posted), so this cannot re-enter core::poll.
       c->dom->poll_inline();
       return done;
+    }
+    // The WR is in the send queue: complete() and end_op() count it out.
+    [[gnu::always_inline]] void count_posted() noexcept {
+      ++c->outstanding;
+      ++c->inflight_ops;
+      ++c->dom->inflight;
     }
     [[gnu::always_inline]] result<std::uint64_t> await_resume() noexcept {
       if (post_error < 0) return disconnected();
@@ -1540,10 +1550,7 @@ bool core::poll_cq_inlined() {
   ibv_wc wc[32];
   int n = ibv_poll_cq(cq, 32, wc);
   for (int i = 0; i < n; ++i) dispatch(wc[i]);
-  if (n > 0) {
-    st.completions += static_cast<std::uint64_t>(n);
-    ++wc_seen;
-  }
+  if (n > 0) count_seen(n);
   if (!graveyard.empty()) reap_graveyard();
   return n > 0;
 }
@@ -1772,8 +1779,7 @@ class verbs_connection final : public connection_impl {
         ibv_wc wc;
         const int n = ibv_poll_cq(d->cq, 1, &wc);
         if (n == 1 && wc.wr_id == op.wr.wr_id && wc.status == IBV_WC_SUCCESS) [[likely]] {
-          ++d->st.completions;
-          ++d->wc_seen;
+          d->count_seen(1);
           return start_result::succeeded;
         }
         return posted_unfinished(n, wc);
@@ -1831,13 +1837,10 @@ class verbs_connection final : public connection_impl {
       (void)s->sq.try_acquire();  // can_acquire() held, and nothing has run since
       posted = true;
       rearm();
-      ++s->outstanding;
-      ++s->inflight_ops;
-      ++d->inflight;
+      op.count_posted();
       if (n == 1) {
         d->dispatch(wc);
-        ++d->st.completions;
-        ++d->wc_seen;
+        d->count_seen(1);
         if (!op.done) d->poll_cq();  // its own may be next
       }
       return op.done ? start_result::over : start_result::pending;
