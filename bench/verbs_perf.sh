@@ -34,11 +34,17 @@
 # its buffer; with shuttle-perf's default of 512 x 64 KiB, every message lands
 # in a page not touched for 512 round trips, which costs Soft-RoCE under TCG
 # about 1 us per round trip (measured: send_lat 64 B 15.8 us at 512, 14.8 at 16).
+# CONTROL=1 adds to every row a second perftest run per pair, in an order
+# rotating through the three runs' six orders: the row then also prints
+# perftest against itself (the pairs' Q/P, same median and CI), the spread
+# this method gives between two runs of one tool. A >= row whose ratio
+# misses the target but lies inside that control's 90% CI reads "tie":
+# perftest gets such a ratio against itself.
 # Both latency sides busy-poll (perftest spins on the CQ; shuttle-perf's
 # --spin-us 5000 keeps its loop polling). The load average of the host is
 # printed first: a loaded host makes every number (latency above all) noise.
 #
-# Usage: [SECTIONS="bw lat rate"] [REPS=3] bench/verbs_perf.sh [BUILD_DIR]
+# Usage: [SECTIONS="bw lat rate"] [REPS=3] [CONTROL=1] [VERBOSE=1] bench/verbs_perf.sh [BUILD_DIR]
 # (needs the perftest package and tests/softrdma/install-deps.sh's packages)
 set -euo pipefail
 here=$(dirname "$(readlink -f "$0")")
@@ -92,6 +98,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
   shuttle_extra=  # options for both shuttle-perf sides (see the latency rows)
   printf "%-9s %-7s %-6s %12s %12s %8s %15s %13s %8s %s\n" test bytes metric shuttle perftest ratio "(ratio range)" "90% CI" target verdict
   flip=0
+  order=0 orders=("S P Q" "P Q S" "Q S P" "S Q P" "Q P S" "P S Q")  # CONTROL=1
   # One row: REPS pairs of runs (the order alternating within each pair).
   # bench/pair_ratios.py turns them into the row: each tool's median, and
   # the median of the pairs' shuttle/perftest ratios over the pairs whose two
@@ -103,9 +110,20 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
   # miss; more pairs can. "all" is the median over every pair.
   row() {  # name size metric "shuttle-args" "perftest-args" target op
     local name=$1 size=$2 metric=$3 sargs=$4 pargs=$5 target=$6 op=$7 s p
-    local pairs=() smins=() pmins=()
+    local pairs=() smins=() pmins=() controls=() q k
     for _ in $(seq "$reps"); do
-      if [ $flip = 0 ]; then s=$(shuttle $sargs $metric); p=$(perftest $metric $pargs)
+      if [ -n "${CONTROL:-}" ]; then
+        for k in $(echo "${orders[$order]}"); do
+          case $k in
+          S) s=$(shuttle $sargs $metric) ;;
+          P) rm -f $work/p.min; p=$(perftest $metric $pargs); mv $work/p.min $work/p.min.keep 2>/dev/null || true ;;
+          Q) q=$(perftest $metric $pargs) ;;  # its t_min is not the row's
+          esac
+        done
+        rm -f $work/p.min; mv $work/p.min.keep $work/p.min 2>/dev/null || true
+        order=$(((order + 1) % 6))
+        controls+=("$q,$p")
+      elif [ $flip = 0 ]; then s=$(shuttle $sargs $metric); p=$(perftest $metric $pargs)
       else p=$(perftest $metric $pargs); s=$(shuttle $sargs $metric); fi
       flip=$((1 - flip))
       if [ $metric = usec ]; then
@@ -117,14 +135,21 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     local sm pm r lo hi cl ch same all invalid sslow pslow v
     read -r sm pm r lo hi cl ch same all invalid sslow pslow <<<"$(python3 "$here/pair_ratios.py" \
       "$([ $op = ">=" ] && echo higher || echo lower)" "${pairs[@]}")"
+    local c=nan c_lo=nan c_hi=nan c_n=0
+    if [ -n "${CONTROL:-}" ]; then
+      read -r _ _ c _ _ c_lo c_hi c_n _ <<<"$(python3 "$here/pair_ratios.py" \
+        "$([ $op = ">=" ] && echo higher || echo lower)" "${controls[@]}")"
+    fi
     if [ "$op" = info ]; then
       v="reference: --ops single, no verdict"
     else
-      v=$(python3 -c "r=float('$r'); print('ok' if r == r and r $op $target else 'MISS')")
+      v=$(python3 -c "r, c_lo = float('$r'), float('$c_lo')
+print('ok' if r == r and r $op $target else 'tie' if '$op' == '>=' and r == r and r >= c_lo else 'MISS')")
       python3 -c "import sys; lo, hi, t = float('$cl'), float('$ch'), float('$target'); sys.exit(0 if lo <= t <= hi else 1)" &&
         v="$v (CI spans the target)"
     fi
     v="$v all $all"
+    [ -n "${CONTROL:-}" ] && v="$v control perftest/perftest $c (CI $c_lo-$c_hi, $c_n pairs)"
     [ $((sslow + pslow)) -gt 0 ] && v="$v ($((sslow + pslow)) pairs split by a slow phase: shuttle's run slow in $sslow, perftest's in $pslow)"
     [ "$invalid" -gt 0 ] && v="$v ($invalid of $reps pairs without a result)"
     if [ $metric = usec ]; then
@@ -132,6 +157,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     fi
     printf "%-9s %-7s %-6s %12s %12s %8s %15s %13s %8s %s\n" $name $size $metric "$sm" "$pm" "$r" "($lo-$hi)" "$cl-$ch" "$([ "$op" = info ] && echo - || echo "$op$target")" "$v"
     [ -n "${VERBOSE:-}" ] && echo "  # $name $size: shuttle,perftest ${pairs[*]}"
+    [ -n "${VERBOSE:-}" ] && [ -n "${CONTROL:-}" ] && echo "  # $name $size: perftest,perftest ${controls[*]}"
     true
   }
   want() { case " ${SECTIONS:-bw lat rate} " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -172,7 +198,8 @@ echo "# host load average: $(cut -d' ' -f1-3 /proc/loadavg) ($(nproc) cores)"
 echo "# verbs_perf: shuttle-perf (verbs provider) vs perftest $(dpkg-query -W -f='${Version}' perftest 2>/dev/null)," \
   "Soft-RoCE rxe0 in a TCG guest (2 vCPUs, RoCE MTU 4096); bw MB/s (2^20) average, lat t_typical usec"
 set +e
-bash tests/softrdma/guest-run.sh -M 9000 -t 3000 -e SECTIONS="${SECTIONS:-bw lat rate}" -e REPS="${REPS:-3}" -e VERBOSE="${VERBOSE:-}" -- bash "$(readlink -f "$0")" --in-guest "$perf"
+bash tests/softrdma/guest-run.sh -M 9000 -t 6000 -e SECTIONS="${SECTIONS:-bw lat rate}" -e REPS="${REPS:-3}" -e VERBOSE="${VERBOSE:-}" \
+  -e CONTROL="${CONTROL:-}" -- bash "$(readlink -f "$0")" --in-guest "$perf"
 rc=$?
 [ $rc = 77 ] && echo "verbs_perf.sh: no Soft-RoCE guest available (skipped)" >&2
 exit $rc
