@@ -76,7 +76,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     [ "$5" = usec ] && grep '^{' $work/c.log | python3 -c 'import json,sys; print(json.loads(sys.stdin.readline())["t_min_us"])' >$work/s.min
     true
   }
-  # perftest METRIC BINARY SIZE ITERS [EXTRA...]
+  # perftest METRIC BINARY SIZE ITERS [EXTRA...] (a lat row's t_min goes to $min_file, default $work/p.min)
   perftest() {
     local m=$1; shift
     local bin=$1 size=$2 n=$3; shift 3
@@ -90,7 +90,7 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
     # bw row: bytes iters peak avg mpps; lat row: bytes iters min max typical avg stdev p99 p99.9
     awk -v s=$size -v m=$m '$1 == s && NF >= 5 { v = m == "mpps" ? $5 : m == "usec" ? $5 : $4 } END { print v == "" ? "nan" : v }' \
       $work/pc.log
-    [ $m = usec ] && awk -v s=$size '$1 == s && NF >= 5 { print $3 }' $work/pc.log >$work/p.min
+    [ $m = usec ] && awk -v s=$size '$1 == s && NF >= 5 { print $3 }' $work/pc.log >"${min_file:-$work/p.min}"
     true
   }
 
@@ -116,11 +116,10 @@ print("%.3f" % (d["msg_rate_mpps"] if m == "mpps" else d.get("bw_avg_mb_s", d.ge
         for k in $(echo "${orders[$order]}"); do
           case $k in
           S) s=$(shuttle $sargs $metric) ;;
-          P) rm -f $work/p.min; p=$(perftest $metric $pargs); mv $work/p.min $work/p.min.keep 2>/dev/null || true ;;
-          Q) q=$(perftest $metric $pargs) ;;  # its t_min is not the row's
+          P) p=$(perftest $metric $pargs) ;;
+          Q) q=$(min_file=/dev/null perftest $metric $pargs) ;;  # its t_min is not the row's
           esac
         done
-        rm -f $work/p.min; mv $work/p.min.keep $work/p.min 2>/dev/null || true
         order=$(((order + 1) % 6))
         controls+=("$q,$p")
       elif [ $flip = 0 ]; then s=$(shuttle $sargs $metric); p=$(perftest $metric $pargs)

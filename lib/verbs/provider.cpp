@@ -381,10 +381,14 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // of the loop (at 8: 30 user-space instructions more per read_lat round
   // trip). A batch counts its work requests.
   [[gnu::always_inline]] void poll_inline(unsigned wrs = 1) {
-    if (inline_wrs < max_inline_wrs) {
-      inline_wrs += wrs;
-      poll_cq_inlined();
-    }
+    if (take_inline_look(wrs)) poll_cq_inlined();
+  }
+  // One of the loop turn's inline looks, if any is left (poll_inline; a
+  // prepared start's latency path decides on it before it posts).
+  [[gnu::always_inline]] bool take_inline_look(unsigned wrs = 1) noexcept {
+    if (inline_wrs >= max_inline_wrs) return false;
+    inline_wrs += wrs;
+    return true;
   }
   static constexpr unsigned max_inline_wrs = 32;
   unsigned inline_wrs = 0;
@@ -1764,12 +1768,11 @@ class verbs_connection final : public connection_impl {
     start_result start() noexcept override {
       conn_state* s = op.c;
       core* d = s->dom.get();
-      if (read_or_write && s->usable() && s->sq.can_acquire() && d->inline_wrs < core::max_inline_wrs) {
+      if (read_or_write && s->usable() && s->sq.can_acquire() && d->take_inline_look()) {
         // The latency path (perftest's: post, then poll). Its own completion
         // found at once, successful, as the next completion in the CQ: the
         // operation began and ended with nothing run in between, so it takes
         // no slot, no count and no state, and there is nothing to take.
-        ++d->inline_wrs;
         ibv_send_wr* bad = nullptr;
         if (int e = ibv_post_send(s->qp, &op.wr, &bad)) {
           op.post_error = e;
