@@ -15,6 +15,8 @@ class category final : public std::error_category {
       case errc::disconnected: return "disconnected";
       case errc::message_too_long: return "message too long";
       case errc::not_supported: return "not supported";
+      case errc::peer_access_refused: return "the peer's one-sided access was refused";
+      case errc::idle_timeout: return "idle timeout: nothing arrived from the peer";
     }
     return "unknown shuttle error " + std::to_string(c);
   }

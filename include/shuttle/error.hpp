@@ -16,6 +16,8 @@ enum class errc {
   disconnected,         // the connection went down with the operation pending
   message_too_long,     // the message exceeds the receive buffer or the limit
   not_supported,
+  peer_access_refused,  // this side refused a one-sided access by the peer (its rkey, bounds or rights)
+  idle_timeout,         // nothing arrived from the peer for the listener's idle_timeout
 };
 
 const std::error_category& shuttle_category() noexcept;

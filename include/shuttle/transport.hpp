@@ -165,6 +165,27 @@ struct connection_options {
   std::chrono::milliseconds connect_timeout{5000};
 };
 
+// What a listener may hold on behalf of peers it has not accepted yet, and
+// for how long (domain::listen). Every peer may be hostile: one that never
+// finishes its handshake, or that connects and says nothing, costs a
+// bounded amount of memory and time and never delays the others.
+struct listener_options {
+  // Handshakes in progress at once; a connection request past it is
+  // refused at once (verbs: a reject with a reason in its private data).
+  std::uint32_t max_handshakes = 64;
+  // How long a peer has to finish its handshake; past it, it is dropped.
+  std::chrono::milliseconds handshake_timeout{5000};
+  // Connections established and not yet taken by accept(); past it new
+  // requests are refused.
+  std::uint32_t accept_backlog = 64;
+  // Connections from this listener alive at once (0: no cap); past it a
+  // new request is refused.
+  std::uint32_t max_connections = 0;
+  // An accepted connection on which nothing arrives from the peer for this
+  // long fails with errc::idle_timeout (0: never).
+  std::chrono::milliseconds idle_timeout{0};
+};
+
 // One operation of a batch (connection::post_batch). Atomics are not
 // batched (each returns a value): use compare_and_swap / fetch_and_add.
 struct operation {
@@ -436,7 +457,7 @@ class domain {
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned access_flags);
 
   task<result<connection>> connect(endpoint remote, connection_options opts = {});
-  result<listener> listen(endpoint local, connection_options opts = {});
+  result<listener> listen(endpoint local, connection_options opts = {}, listener_options limits = {});
 
   detail::domain_impl* impl() const noexcept { return impl_.get(); }
 

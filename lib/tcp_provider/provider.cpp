@@ -931,8 +931,8 @@ task<result<connection>> establish(tcp_socket sock, std::shared_ptr<domain_state
 
 class tcp_listener_impl final : public listener_impl {
  public:
-  tcp_listener_impl(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o)
-      : l_(std::move(l)), dom_(std::move(d)), opts_(o) {}
+  tcp_listener_impl(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim)
+      : l_(std::move(l)), dom_(std::move(d)), opts_(o), limits_(lim) {}
 
   task<result<connection>> accept() override {
     for (;;) {
@@ -955,6 +955,7 @@ class tcp_listener_impl final : public listener_impl {
   tcp_listener l_;
   std::shared_ptr<domain_state> dom_;
   connection_options opts_;
+  [[maybe_unused]] listener_options limits_;
 };
 
 class tcp_domain final : public domain_impl {
@@ -989,11 +990,11 @@ class tcp_domain final : public domain_impl {
     return connect_impl(st_, remote, opts);
   }
 
-  result<listener> listen(endpoint local, connection_options opts) override {
+  result<listener> listen(endpoint local, connection_options opts, listener_options limits) override {
     if (auto c = check_options(opts); !c) return c.error();
     auto l = tcp_listener::bind(local);
     if (!l) return l.error();
-    return listener(std::make_unique<tcp_listener_impl>(std::move(*l), st_, opts));
+    return listener(std::make_unique<tcp_listener_impl>(std::move(*l), st_, opts, limits));
   }
 
  private:

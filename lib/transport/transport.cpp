@@ -158,6 +158,8 @@ result<memory_region> domain::register_memory(std::span<std::byte> mem, unsigned
 task<result<connection>> domain::connect(endpoint remote, connection_options opts) {
   return impl_->connect(remote, opts);
 }
-result<listener> domain::listen(endpoint local, connection_options opts) { return impl_->listen(local, opts); }
+result<listener> domain::listen(endpoint local, connection_options opts, listener_options limits) {
+  return impl_->listen(local, opts, limits);
+}
 
 }  // namespace shuttle

@@ -1995,7 +1995,8 @@ task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint ep) {
 
 class verbs_listener final : public listener_impl {
  public:
-  verbs_listener(std::shared_ptr<core> d, connection_options o) : dom_(std::move(d)), opts_(o) {}
+  verbs_listener(std::shared_ptr<core> d, connection_options o, listener_options lim)
+      : dom_(std::move(d)), opts_(o), limits_(lim) {}
   ~verbs_listener() override { close(); }
 
   result<void> start(endpoint ep) {
@@ -2056,6 +2057,7 @@ class verbs_listener final : public listener_impl {
 
   std::shared_ptr<core> dom_;
   connection_options opts_;
+  [[maybe_unused]] listener_options limits_;
   rdma_event_channel* ech_ = nullptr;
   rdma_cm_id* id_ = nullptr;
   fd_watch* watch_ = nullptr;
@@ -2120,9 +2122,9 @@ class verbs_domain final : public domain_impl {
   task<result<connection>> connect(endpoint remote, connection_options opts) override {
     return do_connect(c_, remote, opts);
   }
-  result<listener> listen(endpoint local, connection_options opts) override {
+  result<listener> listen(endpoint local, connection_options opts, listener_options limits) override {
     c_->attach();
-    auto l = std::make_unique<verbs_listener>(c_, opts);
+    auto l = std::make_unique<verbs_listener>(c_, opts, limits);
     if (auto r = l->start(local); !r) return r.error();
     return listener(std::move(l));
   }

@@ -95,7 +95,7 @@ class domain_impl {
   virtual std::string describe() const = 0;
   virtual result<memory_region> register_memory(std::span<std::byte> mem, unsigned access_flags) = 0;
   virtual task<result<connection>> connect(endpoint remote, connection_options opts) = 0;
-  virtual result<listener> listen(endpoint local, connection_options opts) = 0;
+  virtual result<listener> listen(endpoint local, connection_options opts, listener_options limits) = 0;
 };
 
 // Provider entry points (lib/tcp_provider, lib/verbs). make_verbs_domain
