@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -15,8 +16,8 @@ namespace {
 thread_local std::uint16_t next_group = 1;
 // Whether this kernel ends a multishot recv after a total byte count
 // (sqe->optlen, Linux 6.17+); older ones refuse the request with EINVAL, and
-// the quota then rests on cancelling alone.
-bool kernel_limits_multishot = true;
+// the quota then rests on cancelling alone. (Any thread's rings may find out.)
+std::atomic<bool> kernel_limits_multishot{true};
 }  // namespace
 
 buffer_ring::buffer_ring(io_context& ctx, unsigned count, std::size_t buffer_size)
@@ -115,7 +116,7 @@ struct receive_stream::state : detail::orphan_op, buffer_ring::starved {
     // quota comes too late. So the request itself stops after the quota's
     // worth of bytes. (The field is sqe->optlen; older headers name it
     // file_index.)
-    limited = kernel_limits_multishot;
+    limited = kernel_limits_multishot.load(std::memory_order_relaxed);
     if (limited) {
       std::size_t room = max_queued > queued_buffers ? max_queued - queued_buffers : 1;
       sqe->file_index = static_cast<std::uint32_t>(std::min<std::size_t>(room * ring->buffer_size(), UINT32_MAX));
@@ -152,7 +153,7 @@ struct receive_stream::state : detail::orphan_op, buffer_ring::starved {
     }
     if (res == -EINVAL && s->limited && !s->armed) {
       // A kernel without multishot byte limits: arm without one.
-      kernel_limits_multishot = false;
+      kernel_limits_multishot.store(false, std::memory_order_relaxed);
       try {
         s->arm();
       } catch (...) {

@@ -3,7 +3,9 @@
 // buffer the kernel picks from a ring shared by many sockets. It pays where
 // many connections mostly wait (a server with thousands of sockets holds
 // ring buffers only for data that arrived, not one buffer per socket) and
-// where one submission per message is worth saving.
+// where one submission per message is worth saving. A stream holds at most
+// a quota of the ring's buffers that its consumer has not taken
+// (receive_stream_options): one stalled consumer cannot starve the others.
 //
 //   buffer_ring ring(ctx, 1024, 16384);           // per io_context
 //   receive_stream rx(sock, ring);
