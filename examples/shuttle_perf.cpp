@@ -483,6 +483,7 @@ struct server_stats {
 // Until the client goes (or, with --loop, until stopped by a signal). A
 // stop (SIGINT/SIGTERM) cancels the accept or the session under way.
 task<int> server_main(const options& o, server_stats& stats) {
+  tools::throttled_log session_log{"shuttle-perf"};
   domain d = open_domain(o);
   auto ep = check(endpoint::parse(o.bind.find(':') != std::string::npos && o.bind.front() != '['
                                       ? "[" + o.bind + "]:" + std::to_string(o.port)
@@ -506,9 +507,10 @@ task<int> server_main(const options& o, server_stats& stats) {
       if (stop.stop_requested()) break;  // cancelled mid-session: shutting down
       ++stats.failed;
       if (!o.loop) throw;
-      std::fprintf(stderr, "shuttle-perf: session failed: %s\n", e.what());
+      session_log(std::string("session failed: ") + e.what());  // --loop: a client looping on errors must not flood
     }
   } while (o.loop && !stop.stop_requested());
+  session_log.flush();
   l.close();
   co_return 0;
 }
