@@ -13,7 +13,7 @@ tools_test.py ECHO_SERVER ECHO_CLIENT PERF TRANSFER
   4. shuttle-echo-server --transport tcp-provider, with clients that finish
      the hello and then send garbage: each failure is logged with the peer's
      address, a few lines a second, the rest counted in a "suppressed" line
-     (shown + suppressed = failures); the server still serves, and SIGTERM
+     (every failure shown or counted); the server still serves, and SIGTERM
      ends it with exit 0 and its summary.
 Every wait is bounded; exit status 0 when all of that holds.
 """
@@ -192,9 +192,11 @@ def echo_server_log(server_exe, client_exe):
     suppressed = sum(int(n) for n in re.findall(r"(\d+) similar messages suppressed", log))
     if not shown:
         fail("no connection failure logged for %d clients that sent garbage" % hostile, log)
-    if any("protocol" not in why for why in shown):
-        fail("a logged failure does not name the protocol error", log)
-    if len(shown) + suppressed != hostile:
+    if sum("protocol" in why for why in shown) < len(shown) - 1:
+        fail("the logged failures do not name the protocol error", log)
+    # Every failure is shown or counted; the good client's one connection
+    # may add one (a reset when it exits).
+    if not hostile <= len(shown) + suppressed <= hostile + 1:
         fail("%d lines shown + %d suppressed, for %d failures" % (len(shown), suppressed, hostile), log)
     # The log's windows are seconds of the server's clock: the failures
     # spanned at most ceil(elapsed) + 1 of them (plus the client's run).
