@@ -31,14 +31,20 @@
 // closes its listener, cancels its connections (scope.request_stop()), joins
 // them, and the process prints a one-line summary and exits 0.
 //
-// Out of file descriptors (EMFILE/ENFILE/ENOBUFS/ENOMEM on accept): log at
-// most once per second, back off 10-100 ms, retry. Pending connections wait
+// Out of file descriptors (EMFILE/ENFILE/ENOBUFS/ENOMEM on accept): log,
+// back off 10-100 ms, retry. Pending connections wait
 // in the kernel's backlog meanwhile and are served once descriptors free up.
+// Over the transport API, a connection that ends by anything but a clean
+// close (a protocol error, a NAK, an idle timeout) and a handshake that
+// fails are logged with the peer and the error. Every error line goes
+// through one rate-limited log (tool_support.hpp): a few lines a second,
+// then a count of those held back.
 
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
 #include "cli.hpp"
+#include "tool_support.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -85,28 +91,11 @@ struct alignas(64) thread_stats {
 
 // ---------------------------------------------------------------- logging
 
-// At most one error line per second across all threads; the lines that were
-// held back are counted in the next one.
-std::atomic<std::int64_t> g_last_log_ns{INT64_MIN / 2};
-std::atomic<std::uint64_t> g_suppressed{0};
+// Error lines from every thread: a few a second at most, the rest counted
+// (a hostile peer must not flood the log).
+tools::throttled_log g_log{kProg};
 
-void log_throttled(const std::string& line) {
-  auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                 std::chrono::steady_clock::now().time_since_epoch())
-                 .count();
-  auto last = g_last_log_ns.load(std::memory_order_relaxed);
-  if (now - last < 1'000'000'000 ||
-      !g_last_log_ns.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
-    g_suppressed.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
-  auto suppressed = g_suppressed.exchange(0, std::memory_order_relaxed);
-  if (suppressed)
-    std::fprintf(stderr, "%s: %s (%llu similar messages suppressed)\n", kProg, line.c_str(),
-                 static_cast<unsigned long long>(suppressed));
-  else
-    std::fprintf(stderr, "%s: %s\n", kProg, line.c_str());
-}
+void log_throttled(const std::string& line) { g_log(line); }
 
 // What an operation threw (no free SQE, no memory), as an error code.
 std::error_code current_exception_code() noexcept {
@@ -197,17 +186,32 @@ task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats
   }
 }
 
+// A transport connection ended by anything but a clean close or shutdown (a
+// protocol error, a refused one-sided access, an idle timeout, a reset):
+// who and why, for the operator.
+void log_connection_end(std::size_t index, const std::string& peer, const std::error_code& ec) {
+  if (ec == shuttle::errc::disconnected || ec == std::errc::operation_canceled) return;
+  log_throttled("thread " + std::to_string(index) + ": connection from " + peer + " failed: " + ec.message());
+}
+
 // Over the transport API: every received message goes back with a send. The
 // message's buffer returns to the receive pool once the send completed.
 task<void> echo(std::size_t index, shuttle::connection conn, thread_stats& stats) {
+  const std::string peer = conn.remote_endpoint().to_string();
   try {
     for (;;) {
       auto m = co_await conn.recv();
       // The peer disconnected, cancellation (shutdown), any error: done.
-      if (!m) break;
+      if (!m) {
+        log_connection_end(index, peer, m.error());
+        break;
+      }
       if (m->imm()) continue;  // a write_with_imm notification: nothing to echo
       auto w = co_await conn.send(m->data());
-      if (!w) break;
+      if (!w) {
+        log_connection_end(index, peer, w.error());
+        break;
+      }
       stats.bytes += m->size();
     }
   } catch (...) {
@@ -256,6 +260,10 @@ task<void> serve(std::size_t index, Listener listener, thread_stats& stats, std:
     } else if (!is_transient(ec)) {
       pause = kMaxBackoff;
       log_throttled(line + "; retrying in " + std::to_string(pause.count()) + " ms");
+    } else if constexpr (!std::is_same_v<Listener, shuttle::tcp_listener>) {
+      // A peer that failed its handshake (wrong protocol, refused hello):
+      // that peer's problem, but the operator should see it.
+      log_throttled(line);
     }
     if (pause.count() > 0) {
       bool stopped = false;
@@ -444,6 +452,7 @@ int run_socket_server(const options& opts) {
     connections += s.connections;
     bytes += s.bytes;
   }
+  g_log.flush();
   std::printf("%s: served %llu connections, echoed %llu bytes\n", kProg,
               static_cast<unsigned long long>(connections), static_cast<unsigned long long>(bytes));
   std::fflush(stdout);
@@ -541,6 +550,7 @@ int run_transport_server(const options& opts) {
     clean = false;
   }
   rt.join();
+  g_log.flush();
   std::printf("%s: served %llu connections, echoed %llu bytes\n", kProg,
               static_cast<unsigned long long>(stats.connections), static_cast<unsigned long long>(stats.bytes));
   std::fflush(stdout);
