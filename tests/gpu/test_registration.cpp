@@ -96,7 +96,8 @@ TEST_CASE("a registration of freed device memory is not returned for a new alloc
     else
       misses.push_back(p);
   }
-  MESSAGE("same address again after " << misses.size() << " other allocations: " << (again == first ? "yes" : "no"));
+  const std::string came_back = again == first ? "yes" : "no";
+  MESSAGE("same address again after " << misses.size() << " other allocations: " << came_back);
   if (again == first) {
     auto r = reg.register_memory(again, len, acc);
     REQUIRE(r.has_value());
