@@ -455,8 +455,9 @@ class domain {
   transport_kind kind() const noexcept;
   std::string describe() const;
 
-  // Registers memory for access by peers (and locally). Each call makes a
-  // new registration. As with ibv_reg_mr, a memory_region (every copy of
+  // Registers memory for access by peers (and locally). On verbs each call
+  // makes a new registration (tcp pins nothing and may serve a repeated
+  // one from its cache). As with ibv_reg_mr, a memory_region (every copy of
   // it) must be destroyed before its memory is freed or unmapped: it pins
   // the pages mapped when it was made, and operations on memory it covers
   // use it.
