@@ -213,6 +213,7 @@ struct options {
   std::uint64_t depth = 0;  // 0: 128 (bw) / 1 (lat)
   std::uint64_t batch = 0;  // 0: depth/4, 1..64 (bw); 1 (lat, atomic)
   std::uint64_t slots = 0;  // 0: depth (bw: buffer slots cycled through, each side)
+  bool unregistered = false;  // the client's local buffer left unregistered (memory the library does not own)
   bool json = false;
   bool loop = false;
   std::uint32_t rx_depth = 512;
@@ -245,6 +246,8 @@ void usage(FILE* f) {
       "        --slots N (bw: the buffer slots of one message size that the operations cycle through, on\n"
       "                   each side; default the depth, one per operation in flight; 1: every operation\n"
       "                   on the same buffer, as perftest's ib_*_bw above 2 KiB)\n"
+      "        --unregistered (client: its local buffer is not registered; operations on memory the\n"
+      "                   library does not own, docs/memory-registration.md)\n"
       "sizes take K/M suffixes (4K = 4096). Defaults: bw 64K x5000 depth 128, lat 2 B x1000, atomic 8 B.\n",
       f);
 }
@@ -319,6 +322,8 @@ options parse_args(int argc, char** argv) {
       const auto v = parse_size(val(), "--inline");
       if (v > 4096) fail("--inline: at most 4096 bytes");
       o.max_inline = static_cast<std::uint32_t>(v);
+    } else if (k == "--unregistered") {
+      o.unregistered = true;
     } else if (k == "--slots") {
       o.slots = parse_size(val(), "--slots");
       if (o.slots == 0) fail("--slots must be at least 1");
@@ -790,7 +795,7 @@ task<int> client_main(const options& o) {
   client_state s{std::move(c), o, {}, {}, {}, {}, {}};
   s.local = std::make_unique<buffer>(region);
   s.pong = std::make_unique<buffer>(max_size);
-  s.local_mr = check(d.register_memory(s.local->span(), access::all), "register_memory");
+  if (!o.unregistered) s.local_mr = check(d.register_memory(s.local->span(), access::all), "register_memory");
   s.pong_mr = check(d.register_memory(s.pong->span(), access::all), "register_memory");
 
   ctrl h{};

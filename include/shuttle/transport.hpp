@@ -325,9 +325,11 @@ class connection {
   connection& operator=(connection&&) noexcept;
   ~connection();  // aborts: pending operations fail, resources are freed
 
-  // Two-sided. `msg` may be any memory: it is sent from a registration that
-  // covers it (found in the domain's cache, registered on first use) or,
-  // when small, inline. At most max_message_size() bytes.
+  // Two-sided. `msg` may be any memory: it is sent from a live
+  // memory_region of the user's that covers it, or, when small, inline;
+  // other memory is never registered beyond the operation (verbs: copied
+  // into a registered staging slot, or registered for this operation
+  // alone; docs/memory-registration.md). At most max_message_size() bytes.
   //
   // A send completes once `msg` may be reused. On verbs a send of at most
   // max_inline_data bytes goes inline (copied into the work request) and
@@ -349,7 +351,8 @@ class connection {
   // cancelled one takes no message.
   connection_op<message> recv() { return {impl_.get(), ops_->recv, {}}; }
 
-  // One-sided. Local memory is registered through the domain's cache.
+  // One-sided. Local memory: as send's (a read target is registered for the
+  // operation alone unless a memory_region covers it).
   connection_op<void> write(std::span<const std::byte> local, remote_buffer remote) {
     return {impl_.get(), ops_->write, detail::make_op_args(local, remote)};
   }
@@ -399,8 +402,9 @@ class connection {
 
   // One operation (as a batch's: send, write, write_with_imm, read) built
   // once, to be started many times: see prepared_operation. The arguments
-  // are checked now (an oversize send: errc::message_too_long) and the
-  // local memory registered through the domain's cache if it is not yet.
+  // are checked now (an oversize send: errc::message_too_long) and local
+  // memory no memory_region covers is registered for the prepared
+  // operation's life (the memory must outlive it).
   // errc::disconnected for a connection without a provider.
   result<prepared_operation> prepare(const operation& op);
 
@@ -451,9 +455,12 @@ class domain {
   transport_kind kind() const noexcept;
   std::string describe() const;
 
-  // Registers memory for access by peers (and locally). Repeated
-  // registrations of a range already registered with these rights are served
-  // from the domain's cache.
+  // Registers memory for access by peers (and locally). On verbs each call
+  // makes a new registration (tcp pins nothing and may serve a repeated
+  // one from its cache). As with ibv_reg_mr, a memory_region (every copy of
+  // it) must be destroyed before its memory is freed or unmapped: it pins
+  // the pages mapped when it was made, and operations on memory it covers
+  // use it.
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned access_flags);
 
   task<result<connection>> connect(endpoint remote, connection_options opts = {});

@@ -310,7 +310,10 @@ TEST_CASE("registration cache and deregistration") {
     std::vector<std::byte> buf(8192);
     auto a = p.server_domain->register_memory(buf, access::all).value();
     auto b = p.server_domain->register_memory(buf, access::all).value();
-    CHECK(a.rkey() == b.rkey());  // served from the cache
+    // A second registration of the range: tcp may serve it from its cache;
+    // verbs registers anew (docs/memory-registration.md). Either is valid
+    // until both handles are gone.
+    CHECK(b.remote().address == a.remote().address);
     auto rb = a.remote();
     a = memory_region{};
     b = memory_region{};
