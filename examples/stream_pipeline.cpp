@@ -296,7 +296,7 @@ class pipeline {
   task<void> network_stage();
   task<bool> ensure_link();
   task<void> retire_link();
-  task<void> wait_progress();
+  task<bool> wait_progress();
   task<void> ack_reader(sink_link& l);
   task<void> ship(sink_link& l, std::uint32_t slot);
   task<void> reporter();
@@ -527,12 +527,14 @@ task<void> pipeline::ack_reader(sink_link& l) {
   progress_.set();
 }
 
-// Waits for an ack or a broken link. A link on which nothing was acked for
-// ack_timeout while batches are in flight is stalled: it is dropped and remade.
-task<void> pipeline::wait_progress() {
+// Waits for an ack, the totals or a broken link; false after ack_timeout
+// without any. A link on which nothing was acked for that long while
+// batches are in flight is stalled: it is dropped and remade.
+task<bool> pipeline::wait_progress() {
   progress_.reset();
   auto r = co_await shuttle::with_timeout(as_task(progress_.wait()), cfg_.ack_timeout);
   if (!r && link_ && !in_flight_.empty()) link_->broken = true;
+  co_return bool(r);
 }
 
 // Cancels what still runs on the current link (its connection fails them)
@@ -606,7 +608,7 @@ task<void> pipeline::network_stage() {
     if (!b) break;
     // A free slot (backpressure from the sink), on a healthy link.
     bool linked = false;
-    while ((linked = co_await ensure_link()) && free_slots_.empty()) co_await wait_progress();
+    while ((linked = co_await ensure_link()) && free_slots_.empty()) (void)co_await wait_progress();
     if (!linked) continue;  // the sink is unreachable: these records are lost, and counted so; keep draining upstream
     const std::uint32_t slot = free_slots_.front();
     free_slots_.pop_front();
@@ -634,7 +636,7 @@ task<void> pipeline::network_stage() {
     link_->tasks.spawn(ship(*link_, slot));
   }
   // Drain: every batch acked (across reconnects), then exchange totals.
-  while (!in_flight_.empty() && co_await ensure_link()) co_await wait_progress();
+  while (!in_flight_.empty() && co_await ensure_link()) (void)co_await wait_progress();
   network_done_.set();
   for (int attempt = 0; attempt < 5 && !got_totals_ && in_flight_.empty() && co_await ensure_link(); ++attempt) {
     std::byte fin[4];
@@ -643,7 +645,8 @@ task<void> pipeline::network_stage() {
       link_->broken = true;
       continue;
     }
-    while (!got_totals_ && !link_->broken) co_await wait_progress();
+    while (!got_totals_ && !link_->broken)
+      if (!co_await wait_progress()) link_->broken = true;  // no totals: ask again on a new link
   }
   co_await retire_link();
 }
