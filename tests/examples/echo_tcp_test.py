@@ -248,8 +248,50 @@ def main():
     greedy.close()
     srv.stop(signal.SIGTERM)
 
+    out_of_descriptors(server_exe, extra)
+    print("echo-tcp-test: OK")
+    return 0
+
+
+# UBSan's vptr check, on a (type, vtable) pair its cache has not seen, asks
+# whether the vtable's memory is readable by writing it into a pipe()
+# (sanitizer_common's IsAccessibleMemoryRange); with fewer than two
+# descriptors free that pipe fails, and the check reports "object has invalid
+# vptr" for a valid object. This case keeps the server's descriptor table full
+# on purpose, so such a report can come from any check there (shared_ptr's
+# control block, the receive ring), on a loaded machine more often; a reserve
+# descriptor would not do (the pipe takes two, and another thread may check
+# while accept has the table full). The GCC runtime reads no suppression file,
+# so the server runs with halt_on_error=0 and the case judges its reports:
+# "invalid vptr" (the probe could not read the vtable) is ignored, as
+# -fno-sanitize=vptr would; a type mismatch on a readable vtable ("object is
+# of type ...") and every other report fail the case.
+UNREADABLE_VPTR = ("which does not point to an object of type", "note: object has invalid vptr")
+
+
+def sanitizer_reports(text):
+    """The UBSan reports in a server log: (first line, the lines up to the next report)."""
+    reports, cur = [], None
+    for line in text.splitlines():
+        if "runtime error:" in line:
+            cur = [line]
+            reports.append(cur)
+        elif cur is not None:
+            cur.append(line)
+    return reports
+
+
+def out_of_descriptors(server_exe, extra):
     print("== out of file descriptors (RLIMIT_NOFILE 48, 80 connections)")
-    srv = Server(server_exe, extra, nofile=48)
+    ubsan_before = os.environ.get("UBSAN_OPTIONS")
+    os.environ["UBSAN_OPTIONS"] = (ubsan_before + ":" if ubsan_before else "") + "halt_on_error=0"
+    try:
+        srv = Server(server_exe, extra, nofile=48)
+    finally:
+        if ubsan_before is None:
+            del os.environ["UBSAN_OPTIONS"]
+        else:
+            os.environ["UBSAN_OPTIONS"] = ubsan_before
     port = srv.port
     held = [connect(port) for _ in range(80)]
     # Every connection sends; those accepted echo, the others wait in the backlog.
@@ -300,8 +342,15 @@ def main():
     print("   logged and backed off; the %d waiting connections were served once descriptors were free" % 40)
     srv.stop(signal.SIGINT)
     print("   SIGINT: exit 0")
-    print("echo-tcp-test: OK")
-    return 0
+    tolerated = 0
+    for report in sanitizer_reports(srv.text()):
+        text = "\n".join(report)
+        if all(sig in text for sig in UNREADABLE_VPTR):
+            tolerated += 1
+        else:
+            fail("sanitizer report while out of descriptors:\n" + text, srv)
+    if tolerated:
+        print("   %d UBSan \"invalid vptr\" report(s) while out of descriptors, ignored" % tolerated)
 
 
 if __name__ == "__main__":
