@@ -198,6 +198,7 @@ std::error_code cm_error(const cm_evt& e) {
 
 struct conn_state;
 struct core;
+struct verbs_grant;
 
 // ------------------------------------------------------------------ receive pool
 
@@ -438,7 +439,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
 
   result<std::shared_ptr<verbs_region>> reg(std::span<std::byte> mem, unsigned flags) {
     unsigned a = normalize(flags);
-    ibv_mr* mr = ibv_reg_mr(pd, mem.data(), mem.size(), static_cast<int>(a));
+    ibv_mr* mr = ibv_reg_mr(pd, mem.data(), mem.size(), static_cast<int>(a | mw_bind(a)));
     if (!mr) return last_errno();
     ++st.registrations;
     auto r = std::make_shared<verbs_region>();
@@ -450,6 +451,16 @@ struct core final : poller, std::enable_shared_from_this<core> {
     r->lkey = mr->lkey;
     r->rkey = mr->rkey;
     return r;
+  }
+
+  // Memory windows (connection::grant): type 2 ones bound on a QP.
+  bool has_type2_windows() const noexcept {
+    return (dattr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
+  }
+  // A registration with remote rights may have windows bound to it.
+  unsigned mw_bind(unsigned a) const noexcept {
+    constexpr unsigned remote = access::remote_write | access::remote_read | access::remote_atomic;
+    return (a & remote) && has_type2_windows() ? unsigned(IBV_ACCESS_MW_BIND) : 0u;
   }
 
   static unsigned normalize(unsigned flags) noexcept {
@@ -665,6 +676,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   struct ctrl_ctx : wr_ctx {
     conn_state* c = nullptr;
   } ctrl;
+
+  std::vector<verbs_grant*> grants;  // memory windows bound on this QP (connection::grant)
 
   ibv_mr* scratch_mr = nullptr;
   std::uint64_t* scratch = nullptr;
@@ -1593,11 +1606,62 @@ void core::reap_graveyard() {
 
 // ------------------------------------------------------------------ connection
 
+// A memory_grant: a type 2 memory window bound on its connection's QP.
+struct verbs_grant final : grant_impl {
+  std::shared_ptr<conn_state> conn;
+  std::shared_ptr<verbs_region> region;  // the MR outlives the window bound to it
+  ibv_mw* mw = nullptr;
+  remote_buffer granted{};
+  bool bound = false;
+  remote_buffer remote() const noexcept override { return bound ? granted : remote_buffer{}; }
+  // Deallocating a bound window invalidates it.
+  void release() noexcept {
+    bound = false;
+    if (mw) ibv_dealloc_mw(std::exchange(mw, nullptr));
+  }
+  ~verbs_grant() override {
+    release();
+    std::erase(conn->grants, this);
+  }
+};
+
 class verbs_connection final : public connection_impl {
  public:
   explicit verbs_connection(std::shared_ptr<conn_state> s)
       : connection_impl(launch_table_of<verbs_connection>), s_(std::move(s)) {}
-  ~verbs_connection() override { s_->shutdown(); }
+  ~verbs_connection() override {
+    for (verbs_grant* g : s_->grants) g->release();  // the connection's windows go before its QP
+    s_->shutdown();
+  }
+
+  task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,
+                                   unsigned rights) override {
+    conn_state* s = s_.get();
+    if (auto c = check_grant(r, offset, len, rights); !c) return ready(c.error());
+    auto vr = std::dynamic_pointer_cast<verbs_region>(r.impl());
+    if (!vr || vr->pd != s->dom->pdh) return ready(std::make_error_code(std::errc::invalid_argument));
+    if (!s->dom->has_type2_windows() || vr->device_memory) return ready(make_error_code(errc::not_supported));
+    if (!s->usable()) return ready(disconnected());
+    auto g = std::make_unique<verbs_grant>();
+    g->owner = this;
+    g->conn = s_;
+    g->region = std::move(vr);
+    g->mw = ibv_alloc_mw(s->dom->pd, IBV_MW_TYPE_2);
+    if (!g->mw)
+      return ready(errno == EOPNOTSUPP || errno == ENOSYS ? make_error_code(errc::not_supported) : last_errno());
+    s->grants.push_back(g.get());
+    const std::uint64_t addr = reinterpret_cast<std::uint64_t>(g->region->addr) + offset;
+    return bind(std::move(g), addr, len, rights);
+  }
+  task<result<void>> revoke(grant_impl& gi) override {
+    auto& g = static_cast<verbs_grant&>(gi);
+    if (!g.bound) {  // revoked already, or its connection gone
+      g.release();
+      return ready_void({});
+    }
+    g.bound = false;
+    return invalidate(s_, std::exchange(g.mw, nullptr), g.granted.rkey);
+  }
 
   // The single operations (launch_table_of): each is inlined into its
   // table entry, so that co_await reaches ibv_post_send through one call.
@@ -1966,6 +2030,41 @@ class verbs_connection final : public connection_impl {
     finish_setup(out, st, nullptr);
   }
 
+  static task<result<memory_grant>> ready(std::error_code ec) { co_return ec; }
+  static task<result<void>> ready_void(std::error_code ec) {
+    if (ec) co_return ec;
+    co_return result<void>{};
+  }
+  // An IBV_WR_BIND_MW on the QP, awaited: the window answers to the new
+  // key, from this QP's peer only (type 2).
+  static task<result<memory_grant>> bind(std::unique_ptr<verbs_grant> g, std::uint64_t addr, std::size_t len,
+                                         unsigned rights) {
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.bind_mw.mw = g->mw;
+    wr.bind_mw.rkey = ibv_inc_rkey(g->mw->rkey);
+    wr.bind_mw.bind_info.mr = g->region->mr;
+    wr.bind_mw.bind_info.addr = addr;
+    wr.bind_mw.bind_info.length = len;
+    wr.bind_mw.bind_info.mw_access_flags = static_cast<int>(rights);  // ibv_access_flags values
+    auto r = co_await g->conn->execute(wr, ibv_sge{}, false, false, nullptr);
+    if (!r) co_return r.error();  // g goes: the window is deallocated
+    g->granted = {addr, wr.bind_mw.rkey, len};
+    g->bound = true;
+    co_return memory_grant(std::move(g));
+  }
+  // An IBV_WR_LOCAL_INV of the window on the QP, awaited; then the window
+  // is deallocated. A QP in the error state takes no access any more: the
+  // flushed invalidation is as good.
+  static task<result<void>> invalidate(std::shared_ptr<conn_state> s, ibv_mw* mw, std::uint32_t rkey) {
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_LOCAL_INV;
+    wr.invalidate_rkey = rkey;
+    auto r = co_await s->execute(wr, ibv_sge{}, false, false, nullptr);
+    ibv_dealloc_mw(mw);
+    if (!r && r.error() != disconnected()) co_return r.error();
+    co_return result<void>{};
+  }
   std::shared_ptr<conn_state> s_;
 };
 
