@@ -109,11 +109,13 @@ class memory_region {
 // moves that connection to the error state), the granting connection and
 // the others carry on.
 //  - verbs: a type 2 memory window (ibv_alloc_mw, IBV_MW_TYPE_2) bound on
-//    the connection's QP with an IBV_WR_BIND_MW work request; revoked with
-//    IBV_WR_LOCAL_INV, deallocated when the grant goes. The registration
-//    must be registered with remote rights on a device that reports type
-//    2A/2B windows (it is then registered with IBV_ACCESS_MW_BIND); on one
-//    that does not, grant() fails with errc::not_supported.
+//    the connection's QP with an IBV_WR_BIND_MW work request, to a
+//    registration of exactly the granted range (IBV_ACCESS_MW_BIND, no
+//    remote rights of its own), so that the range is enforced even where
+//    the device checks an access's bounds against the registration only
+//    (Soft-RoCE); revoked with IBV_WR_LOCAL_INV, deallocated when the grant
+//    goes. On a device without type 2A/2B windows (device_cap_flags),
+//    grant() fails with errc::not_supported.
 //  - tcp: an entry in the domain's key table that names its connection,
 //    with an unguessable key (getrandom); the target's reader accepts it
 //    only from that connection.

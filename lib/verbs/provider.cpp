@@ -439,7 +439,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
 
   result<std::shared_ptr<verbs_region>> reg(std::span<std::byte> mem, unsigned flags) {
     unsigned a = normalize(flags);
-    ibv_mr* mr = ibv_reg_mr(pd, mem.data(), mem.size(), static_cast<int>(a | mw_bind(a)));
+    ibv_mr* mr = ibv_reg_mr(pd, mem.data(), mem.size(), static_cast<int>(a));
     if (!mr) return last_errno();
     ++st.registrations;
     auto r = std::make_shared<verbs_region>();
@@ -456,11 +456,6 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // Memory windows (connection::grant): type 2 ones bound on a QP.
   bool has_type2_windows() const noexcept {
     return (dattr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
-  }
-  // A registration with remote rights may have windows bound to it.
-  unsigned mw_bind(unsigned a) const noexcept {
-    constexpr unsigned remote = access::remote_write | access::remote_read | access::remote_atomic;
-    return (a & remote) && has_type2_windows() ? unsigned(IBV_ACCESS_MW_BIND) : 0u;
   }
 
   static unsigned normalize(unsigned flags) noexcept {
@@ -1606,18 +1601,27 @@ void core::reap_graveyard() {
 
 // ------------------------------------------------------------------ connection
 
-// A memory_grant: a type 2 memory window bound on its connection's QP.
+// A memory_grant: a type 2 memory window bound on its connection's QP, to
+// a registration of exactly the granted range (window_mr). That
+// registration has no remote rights of its own (its rkey opens nothing) and
+// its bounds are the grant's: Soft-RoCE checks a window's key, QP and
+// rights, but an access's bounds only against the registration under it.
 struct verbs_grant final : grant_impl {
   std::shared_ptr<conn_state> conn;
-  std::shared_ptr<verbs_region> region;  // the MR outlives the window bound to it
+  std::shared_ptr<verbs_region> region;  // the user's registration (the grant keeps it, as documented)
+  ibv_mr* window_mr = nullptr;
   ibv_mw* mw = nullptr;
   remote_buffer granted{};
   bool bound = false;
   remote_buffer remote() const noexcept override { return bound ? granted : remote_buffer{}; }
-  // Deallocating a bound window invalidates it.
+  // Deallocating a bound window invalidates it; its registration goes after it.
+  static void free_window(ibv_mw* mw, ibv_mr* mr) noexcept {
+    if (mw) ibv_dealloc_mw(mw);
+    if (mr) ibv_dereg_mr(mr);
+  }
   void release() noexcept {
     bound = false;
-    if (mw) ibv_dealloc_mw(std::exchange(mw, nullptr));
+    free_window(std::exchange(mw, nullptr), std::exchange(window_mr, nullptr));
   }
   ~verbs_grant() override {
     release();
@@ -1646,11 +1650,16 @@ class verbs_connection final : public connection_impl {
     g->owner = this;
     g->conn = s_;
     g->region = std::move(vr);
+    std::byte* base = g->region->addr + offset;
+    // Local write only where the user's registration has it (read-only memory cannot be pinned for writing).
+    const int mr_access = IBV_ACCESS_MW_BIND | ((g->region->access & access::local_write) ? IBV_ACCESS_LOCAL_WRITE : 0);
+    g->window_mr = ibv_reg_mr(s->dom->pd, base, len, mr_access);
+    if (!g->window_mr) return ready(last_errno());
     g->mw = ibv_alloc_mw(s->dom->pd, IBV_MW_TYPE_2);
     if (!g->mw)
       return ready(errno == EOPNOTSUPP || errno == ENOSYS ? make_error_code(errc::not_supported) : last_errno());
     s->grants.push_back(g.get());
-    const std::uint64_t addr = reinterpret_cast<std::uint64_t>(g->region->addr) + offset;
+    const auto addr = reinterpret_cast<std::uint64_t>(base);
     return bind(std::move(g), addr, len, rights);
   }
   task<result<void>> revoke(grant_impl& gi) override {
@@ -1660,7 +1669,7 @@ class verbs_connection final : public connection_impl {
       return ready_void({});
     }
     g.bound = false;
-    return invalidate(s_, std::exchange(g.mw, nullptr), g.granted.rkey);
+    return invalidate(s_, std::exchange(g.mw, nullptr), std::exchange(g.window_mr, nullptr), g.granted.rkey);
   }
 
   // The single operations (launch_table_of): each is inlined into its
@@ -2043,7 +2052,7 @@ class verbs_connection final : public connection_impl {
     wr.opcode = IBV_WR_BIND_MW;
     wr.bind_mw.mw = g->mw;
     wr.bind_mw.rkey = ibv_inc_rkey(g->mw->rkey);
-    wr.bind_mw.bind_info.mr = g->region->mr;
+    wr.bind_mw.bind_info.mr = g->window_mr;
     wr.bind_mw.bind_info.addr = addr;
     wr.bind_mw.bind_info.length = len;
     wr.bind_mw.bind_info.mw_access_flags = static_cast<int>(rights);  // ibv_access_flags values
@@ -2056,12 +2065,12 @@ class verbs_connection final : public connection_impl {
   // An IBV_WR_LOCAL_INV of the window on the QP, awaited; then the window
   // is deallocated. A QP in the error state takes no access any more: the
   // flushed invalidation is as good.
-  static task<result<void>> invalidate(std::shared_ptr<conn_state> s, ibv_mw* mw, std::uint32_t rkey) {
+  static task<result<void>> invalidate(std::shared_ptr<conn_state> s, ibv_mw* mw, ibv_mr* mr, std::uint32_t rkey) {
     ibv_send_wr wr{};
     wr.opcode = IBV_WR_LOCAL_INV;
     wr.invalidate_rkey = rkey;
     auto r = co_await s->execute(wr, ibv_sge{}, false, false, nullptr);
-    ibv_dealloc_mw(mw);
+    verbs_grant::free_window(mw, mr);
     if (!r && r.error() != disconnected()) co_return r.error();
     co_return result<void>{};
   }
