@@ -463,7 +463,9 @@ class connection {
   // Revoking one already revoked (or whose connection failed) succeeds;
   // std::errc::invalid_argument for an empty grant or one of another
   // connection. Cancelled, the grant is revoked all the same, but accesses
-  // may still be in progress (std::errc::operation_canceled).
+  // may still be in progress (std::errc::operation_canceled). On tcp a peer
+  // that stops sending in the middle of a write's payload holds its access
+  // in progress: bound the wait (with_timeout) and destroy the connection.
   task<result<void>> revoke(memory_grant& g);
 
   // Graceful disconnect: waits for what is in flight (inline sends
