@@ -1005,6 +1005,13 @@ bool grants_unsupported(const result<memory_grant>& r, const connection& c) {
   MESSAGE("SKIP: this device has no type 2 memory windows");
   return true;
 }
+// Closes connections (failed ones too): close() returns once the
+// provider is done with each, so nothing is left running when the loop ends.
+template <class... C>
+task<void> close_all(C&... cs) {
+  std::array<connection*, sizeof...(C)> all{&cs...};
+  for (connection* c : all) (void)co_await c->close();
+}
 constexpr unsigned remote_rights = access::remote_write | access::remote_read | access::remote_atomic;
 bool all_equal(std::span<const std::byte> m, std::byte v) {
   return std::all_of(m.begin(), m.end(), [v](std::byte b) { return b == v; });
@@ -1076,6 +1083,7 @@ TEST_CASE("grants: a range exposed to one connection only; a second peer with it
       CHECK(ca.is_open());
       co_await a_works(ca, rb, region, 2 + static_cast<unsigned>(op));
       CHECK(static_cast<bool>(g));
+      co_await close_all(cb, sb);
     }
 
     // Revoked: A is refused too, and nothing is touched.
@@ -1096,6 +1104,7 @@ TEST_CASE("grants: a range exposed to one connection only; a second peer with it
     auto g2 = (co_await sc.grant(mr, 0, 64, access::remote_write)).value();
     REQUIRE((co_await cc.write(pattern(64, 12), g2.remote())).has_value());
     CHECK(std::memcmp(region.data(), pattern(64, 12).data(), 64) == 0);
+    co_await close_all(ca, sa, cc, sc);
     gs.l.close();
     (void)co_await sleep_for(std::chrono::milliseconds(5));
   }());
@@ -1153,6 +1162,7 @@ TEST_CASE("grants: bad arguments; bounds and rights are the grant's, not the reg
     past.length = 128;
     CHECK(matches((co_await cb.write(pattern(128, 2), past)).error(), errc::remote_access_error));
     CHECK(all_equal(mem, std::byte{0x5A}));
+    co_await close_all(ca, sa, cb, sb);
     gs.l.close();
     (void)co_await sleep_for(std::chrono::milliseconds(5));
   }());
@@ -1211,6 +1221,7 @@ TEST_CASE("grants: revoke completes only once the accesses in progress through t
       }
     }
     CHECK(done >= 1);
+    co_await close_all(ca, sa);
     gs.l.close();
     (void)co_await sleep_for(std::chrono::milliseconds(5));
   }());
@@ -1258,6 +1269,7 @@ TEST_CASE("grants: destroying the grant or its connection revokes it") {
     }
     sc = connection{};
     for (auto& k : kept) CHECK_FALSE(static_cast<bool>(k));
+    co_await close_all(ca, sa, cb, cc);
     gs.l.close();
     (void)co_await sleep_for(std::chrono::milliseconds(5));
   }());
