@@ -77,6 +77,7 @@ class region_impl;
 class connection_impl;
 class listener_impl;
 class domain_impl;
+class grant_impl;
 }  // namespace detail
 
 // A registered memory range (ibv_mr). Deregistered when the last copy goes.
@@ -97,6 +98,47 @@ class memory_region {
 
  private:
   std::shared_ptr<detail::region_impl> impl_;
+};
+
+// A range of a registration exposed to one connection's peer only, until it
+// is revoked (connection::grant). The registration's own rkey opens it to
+// every peer of the domain (all connections share one protection domain);
+// a grant's key opens the range to the peer of the connection it was
+// granted on and to no other: an access through it from any other
+// connection fails there with errc::remote_access_error (and, RC rules,
+// moves that connection to the error state), the granting connection and
+// the others carry on.
+//  - verbs: a type 2 memory window (ibv_alloc_mw, IBV_MW_TYPE_2) bound on
+//    the connection's QP with an IBV_WR_BIND_MW work request, to a
+//    registration of exactly the granted range (IBV_ACCESS_MW_BIND, no
+//    remote rights of its own), so that the range is enforced even where
+//    the device checks an access's bounds against the registration only
+//    (Soft-RoCE); revoked with IBV_WR_LOCAL_INV, deallocated when the grant
+//    goes. On a device without type 2A/2B windows (device_cap_flags),
+//    grant() fails with errc::not_supported.
+//  - tcp: an entry in the domain's key table that names its connection,
+//    with an unguessable key (getrandom); the target's reader accepts it
+//    only from that connection.
+// Destroying a grant, or its connection, revokes it at once without
+// waiting: use connection::revoke to know that no access through it is
+// still touching the memory. It keeps the registration alive.
+class memory_grant {
+ public:
+  memory_grant() noexcept;
+  explicit memory_grant(std::unique_ptr<detail::grant_impl> impl) noexcept;
+  memory_grant(memory_grant&&) noexcept;
+  memory_grant& operator=(memory_grant&&) noexcept;
+  ~memory_grant();
+
+  // What the peer needs: address and length of the granted range, and the
+  // grant's own key (never the registration's). Empty once revoked.
+  remote_buffer remote() const noexcept;
+  // Granted, and not revoked (nor its connection destroyed) since.
+  explicit operator bool() const noexcept;
+  detail::grant_impl* impl() const noexcept { return impl_.get(); }
+
+ private:
+  std::unique_ptr<detail::grant_impl> impl_;
 };
 
 // A received message. Its buffer belongs to the connection's receive pool
@@ -407,6 +449,28 @@ class connection {
   // operation's life (the memory must outlive it).
   // errc::disconnected for a connection without a provider.
   result<prepared_operation> prepare(const operation& op);
+
+  // Exposes [offset, offset+len) of `r` (a registration of this
+  // connection's domain) to this connection's peer only, with `rights` (a
+  // non-empty set of access::remote_write / remote_read / remote_atomic,
+  // all of which `r` must hold): see memory_grant. Errors:
+  // std::errc::invalid_argument (no registration, one of another domain,
+  // len 0, rights empty or not remote ones), std::errc::result_out_of_range
+  // (the range is not inside `r`), std::errc::permission_denied (rights `r`
+  // lacks), errc::not_supported (a device without type 2 memory windows),
+  // errc::disconnected (the connection failed or was closed).
+  task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len, unsigned rights);
+  // Takes a grant of this connection back. When it completes, the peer's
+  // accesses through the grant fail (errc::remote_access_error) and none
+  // is still touching the memory (verbs: the IBV_WR_LOCAL_INV has
+  // completed; tcp: no access through it is in progress in the reader).
+  // Revoking one already revoked (or whose connection failed) succeeds;
+  // std::errc::invalid_argument for an empty grant or one of another
+  // connection. Cancelled, the grant is revoked all the same, but accesses
+  // may still be in progress (std::errc::operation_canceled). On tcp a peer
+  // that stops sending in the middle of a write's payload holds its access
+  // in progress: bound the wait (with_timeout) and destroy the connection.
+  task<result<void>> revoke(memory_grant& g);
 
   // Graceful disconnect: waits for what is in flight (inline sends
   // included), then tells the peer; errc::disconnected if the connection

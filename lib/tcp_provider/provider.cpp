@@ -29,6 +29,7 @@
 #include <shuttle/tcp.hpp>
 #include <shuttle/timer.hpp>
 
+#include <sys/random.h>
 #include <sys/socket.h>
 
 #include <array>
@@ -56,6 +57,44 @@ struct tcp_region final : region_impl {
   ~tcp_region() override;
 };
 
+// A range of a registration granted to one connection (memory_grant).
+struct grant_entry {
+  const void* conn = nullptr;  // the conn_state it was granted on: the only one that may use it
+  std::shared_ptr<tcp_region> region;
+  std::byte* addr = nullptr;
+  std::size_t length = 0;
+  unsigned access = 0;
+  std::uint32_t rkey = 0;
+  bool revoked = false;
+  std::size_t in_use = 0;  // accesses through it in progress (a payload being read in, a READ response out)
+  event idle{true};        // in_use == 0
+};
+
+// One access through a grant in progress: revoke waits until the last ends.
+class grant_use {
+ public:
+  grant_use() noexcept = default;
+  explicit grant_use(std::shared_ptr<grant_entry> e) noexcept : e_(std::move(e)) {
+    if (e_->in_use++ == 0) e_->idle.reset();
+  }
+  grant_use(grant_use&& o) noexcept : e_(std::move(o.e_)) {}
+  grant_use& operator=(grant_use&& o) noexcept {
+    if (this != &o) {
+      release();
+      e_ = std::move(o.e_);
+    }
+    return *this;
+  }
+  ~grant_use() { release(); }
+
+ private:
+  void release() noexcept {
+    if (e_ && --e_->in_use == 0) e_->idle.set();
+    e_.reset();
+  }
+  std::shared_ptr<grant_entry> e_;
+};
+
 struct domain_state {
   using cache_key = std::tuple<std::uintptr_t, std::size_t, unsigned>;
   std::unordered_map<std::uint32_t, std::weak_ptr<tcp_region>> table;
@@ -76,8 +115,31 @@ struct domain_state {
     for (;;) {
       std::uint32_t k = next_key;
       next_key = next_key * 2654435761u + 0x9E3779B9u;  // not sequential: guessing a key is not trivial
-      if (k != 0 && !table.contains(k)) return k;
+      if (k != 0 && !table.contains(k) && !grants.contains(k)) return k;
     }
+  }
+
+  // Grants, by key. A grant's key is drawn from getrandom: a peer cannot
+  // guess another's, and it is honoured only on its own connection.
+  std::unordered_map<std::uint32_t, std::shared_ptr<grant_entry>> grants;
+
+  std::shared_ptr<grant_entry> find_grant(std::uint32_t rkey, const void* conn) const {
+    auto it = grants.find(rkey);
+    return it == grants.end() || it->second->conn != conn ? nullptr : it->second;
+  }
+
+  std::uint32_t new_grant_key() {
+    for (;;) {
+      std::uint32_t k = 0;
+      if (::getrandom(&k, sizeof k, 0) != static_cast<ssize_t>(sizeof k)) k = std::random_device{}();
+      if (k != 0 && !table.contains(k) && !grants.contains(k)) return k;
+    }
+  }
+
+  // No access through `e` starts from now on.
+  void drop_grant(grant_entry& e) noexcept {
+    if (auto it = grants.find(e.rkey); it != grants.end() && it->second.get() == &e) grants.erase(it);
+    e.revoked = true;
   }
 };
 
@@ -108,6 +170,7 @@ struct out_frame {
   const std::byte* payload = nullptr;
   std::size_t len = 0;
   std::shared_ptr<tcp_region> hold;  // READ_RESP: the region stays registered while we send from it
+  grant_use use;                     // READ_RESP through a grant: its revoke waits until this is sent
 };
 
 struct inbound {
@@ -315,6 +378,12 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
         auto region = dom->find(h.rkey);
         region_view view;
         if (region) view = {region->addr, region->length, region->access};
+        grant_use use;  // an access through a grant (of this connection only) is in progress until it goes
+        if (auto g = region ? nullptr : dom->find_grant(h.rkey, this)) {
+          region = g->region;
+          view = {g->addr, g->length, g->access};
+          use = grant_use(std::move(g));
+        }
         bool atomic = h.op == opcode::cas || h.op == opcode::faa;
         auto target = check_access(view, h.addr, h.length, required_access(h.op), atomic);
         if (!target) {
@@ -346,6 +415,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
           resp.seq = h.seq;
           resp.length = h.length;
           queue_response(resp, p, h.length, std::move(region));
+          outq.back().use = std::move(use);
         } else {
           std::atomic_ref<std::uint64_t> word(*reinterpret_cast<std::uint64_t*>(p));
           std::uint64_t old;
@@ -729,11 +799,35 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   }
 };
 
+// A memory_grant: its entry in the domain's grant table.
+struct tcp_grant final : grant_impl {
+  std::shared_ptr<domain_state> dom;
+  std::shared_ptr<grant_entry> e;
+  remote_buffer remote() const noexcept override {
+    if (e->revoked) return {};
+    return {reinterpret_cast<std::uint64_t>(e->addr), e->rkey, e->length};
+  }
+  ~tcp_grant() override { dom->drop_grant(*e); }
+};
+
 class tcp_connection final : public connection_impl {
  public:
   explicit tcp_connection(std::shared_ptr<conn_state> s) noexcept
       : connection_impl(launch_table_of<tcp_connection>), s_(std::move(s)) {}
-  ~tcp_connection() override { s_->enter_error(err(errc::disconnected)); }
+  ~tcp_connection() override {
+    for (auto& g : grants_) s_->dom->drop_grant(*g);  // the connection's grants go with it
+    s_->enter_error(err(errc::disconnected));
+  }
+
+  task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,
+                                   unsigned rights) override {
+    return ready(make_grant(r, offset, len, rights));
+  }
+  task<result<void>> revoke(grant_impl& g) override {
+    auto e = static_cast<tcp_grant&>(g).e;
+    s_->dom->drop_grant(*e);
+    return wait_unused(std::move(e));
+  }
 
   // The tcp provider's operations stay coroutines: next to a socket round
   // trip, their frames cost nothing measurable.
@@ -887,7 +981,36 @@ class tcp_connection final : public connection_impl {
     }
     result<void> take() override { return slot.take(); }
   };
+  result<memory_grant> make_grant(const memory_region& r, std::size_t offset, std::size_t len, unsigned rights) {
+    if (auto c = check_grant(r, offset, len, rights); !c) return c.error();
+    auto region = std::dynamic_pointer_cast<tcp_region>(r.impl());
+    if (!region || region->dom != s_->dom) return std::make_error_code(std::errc::invalid_argument);
+    if (s_->error || s_->stopping) return err(errc::disconnected);
+    auto e = std::make_shared<grant_entry>();
+    e->conn = s_.get();
+    e->region = std::move(region);
+    e->addr = e->region->addr + offset;
+    e->length = len;
+    e->access = rights;
+    e->rkey = s_->dom->new_grant_key();
+    s_->dom->grants[e->rkey] = e;
+    std::erase_if(grants_, [](const auto& g) { return g->revoked; });  // bounded by the live grants
+    grants_.push_back(e);
+    auto g = std::make_unique<tcp_grant>();
+    g->owner = this;
+    g->dom = s_->dom;
+    g->e = std::move(e);
+    return memory_grant(std::move(g));
+  }
+  static task<result<memory_grant>> ready(result<memory_grant> r) { co_return r; }
+  // Out of the table already: waits for the accesses through it in progress.
+  static task<result<void>> wait_unused(std::shared_ptr<grant_entry> e) {
+    while (e->in_use > 0)
+      if (auto r = co_await e->idle.wait(); !r) co_return r.error();
+    co_return result<void>{};
+  }
   std::shared_ptr<conn_state> s_;
+  std::vector<std::shared_ptr<grant_entry>> grants_;  // revoked with the connection
 };
 
 // ---------------------------------------------------------------- set-up

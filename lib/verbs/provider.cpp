@@ -227,6 +227,7 @@ std::error_code cm_error(const cm_evt& e) {
 
 struct conn_state;
 struct core;
+struct verbs_grant;
 
 // ------------------------------------------------------------------ receive pool
 
@@ -485,6 +486,11 @@ struct core final : poller, std::enable_shared_from_this<core> {
     return r;
   }
 
+  // Memory windows (connection::grant): type 2 ones bound on a QP.
+  bool has_type2_windows() const noexcept {
+    return (dattr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
+  }
+
   static unsigned normalize(unsigned flags) noexcept {
     unsigned a = flags & access::all;
     if (a & (access::remote_write | access::remote_atomic)) a |= access::local_write;
@@ -733,6 +739,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   struct ctrl_ctx : wr_ctx {
     conn_state* c = nullptr;
   } ctrl;
+
+  std::vector<verbs_grant*> grants;  // memory windows bound on this QP (connection::grant)
 
   ibv_mr* scratch_mr = nullptr;
   std::uint64_t* scratch = nullptr;
@@ -1665,11 +1673,76 @@ void core::reap_graveyard() {
 
 // ------------------------------------------------------------------ connection
 
+// A memory_grant: a type 2 memory window bound on its connection's QP, to
+// a registration of exactly the granted range (window_mr). That
+// registration has no remote rights of its own (its rkey opens nothing) and
+// its bounds are the grant's: Soft-RoCE checks a window's key, QP and
+// rights, but an access's bounds only against the registration under it.
+struct verbs_grant final : grant_impl {
+  std::shared_ptr<conn_state> conn;
+  std::shared_ptr<verbs_region> region;  // the user's registration (the grant keeps it, as documented)
+  ibv_mr* window_mr = nullptr;
+  ibv_mw* mw = nullptr;
+  remote_buffer granted{};
+  bool bound = false;
+  remote_buffer remote() const noexcept override { return bound ? granted : remote_buffer{}; }
+  // Deallocating a bound window invalidates it; its registration goes after it.
+  static void free_window(ibv_mw* mw, ibv_mr* mr) noexcept {
+    if (mw) ibv_dealloc_mw(mw);
+    if (mr) ibv_dereg_mr(mr);
+  }
+  void release() noexcept {
+    bound = false;
+    free_window(std::exchange(mw, nullptr), std::exchange(window_mr, nullptr));
+  }
+  ~verbs_grant() override {
+    release();
+    std::erase(conn->grants, this);
+  }
+};
+
 class verbs_connection final : public connection_impl {
  public:
   explicit verbs_connection(std::shared_ptr<conn_state> s)
       : connection_impl(launch_table_of<verbs_connection>), s_(std::move(s)) {}
-  ~verbs_connection() override { s_->shutdown(); }
+  ~verbs_connection() override {
+    for (verbs_grant* g : s_->grants) g->release();  // the connection's windows go before its QP
+    s_->shutdown();
+  }
+
+  task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,
+                                   unsigned rights) override {
+    conn_state* s = s_.get();
+    if (auto c = check_grant(r, offset, len, rights); !c) return ready(c.error());
+    auto vr = std::dynamic_pointer_cast<verbs_region>(r.impl());
+    if (!vr || vr->pd != s->dom->pdh) return ready(std::make_error_code(std::errc::invalid_argument));
+    if (!s->dom->has_type2_windows() || vr->device_memory) return ready(make_error_code(errc::not_supported));
+    if (!s->usable()) return ready(disconnected());
+    auto g = std::make_unique<verbs_grant>();
+    g->owner = this;
+    g->conn = s_;
+    g->region = std::move(vr);
+    std::byte* base = g->region->addr + offset;
+    // Local write only where the user's registration has it (read-only memory cannot be pinned for writing).
+    const int mr_access = IBV_ACCESS_MW_BIND | ((g->region->access & access::local_write) ? IBV_ACCESS_LOCAL_WRITE : 0);
+    g->window_mr = ibv_reg_mr(s->dom->pd, base, len, mr_access);
+    if (!g->window_mr) return ready(last_errno());
+    g->mw = ibv_alloc_mw(s->dom->pd, IBV_MW_TYPE_2);
+    if (!g->mw)
+      return ready(errno == EOPNOTSUPP || errno == ENOSYS ? make_error_code(errc::not_supported) : last_errno());
+    s->grants.push_back(g.get());
+    const auto addr = reinterpret_cast<std::uint64_t>(base);
+    return bind(std::move(g), addr, len, rights);
+  }
+  task<result<void>> revoke(grant_impl& gi) override {
+    auto& g = static_cast<verbs_grant&>(gi);
+    if (!g.bound) {  // revoked already, or its connection gone
+      g.release();
+      return ready_void({});
+    }
+    g.bound = false;
+    return invalidate(s_, std::exchange(g.mw, nullptr), std::exchange(g.window_mr, nullptr), g.granted.rkey);
+  }
 
   // The single operations (launch_table_of): each is inlined into its
   // table entry, so that co_await reaches ibv_post_send through one call.
@@ -2044,6 +2117,41 @@ class verbs_connection final : public connection_impl {
     finish_setup(out, st, nullptr);
   }
 
+  static task<result<memory_grant>> ready(std::error_code ec) { co_return ec; }
+  static task<result<void>> ready_void(std::error_code ec) {
+    if (ec) co_return ec;
+    co_return result<void>{};
+  }
+  // An IBV_WR_BIND_MW on the QP, awaited: the window answers to the new
+  // key, from this QP's peer only (type 2).
+  static task<result<memory_grant>> bind(std::unique_ptr<verbs_grant> g, std::uint64_t addr, std::size_t len,
+                                         unsigned rights) {
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.bind_mw.mw = g->mw;
+    wr.bind_mw.rkey = ibv_inc_rkey(g->mw->rkey);
+    wr.bind_mw.bind_info.mr = g->window_mr;
+    wr.bind_mw.bind_info.addr = addr;
+    wr.bind_mw.bind_info.length = len;
+    wr.bind_mw.bind_info.mw_access_flags = static_cast<int>(rights);  // ibv_access_flags values
+    auto r = co_await g->conn->execute(wr, ibv_sge{}, false, false, nullptr);
+    if (!r) co_return r.error();  // g goes: the window is deallocated
+    g->granted = {addr, wr.bind_mw.rkey, len};
+    g->bound = true;
+    co_return memory_grant(std::move(g));
+  }
+  // An IBV_WR_LOCAL_INV of the window on the QP, awaited; then the window
+  // is deallocated. A QP in the error state takes no access any more: the
+  // flushed invalidation is as good.
+  static task<result<void>> invalidate(std::shared_ptr<conn_state> s, ibv_mw* mw, ibv_mr* mr, std::uint32_t rkey) {
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_LOCAL_INV;
+    wr.invalidate_rkey = rkey;
+    auto r = co_await s->execute(wr, ibv_sge{}, false, false, nullptr);
+    verbs_grant::free_window(mw, mr);
+    if (!r && r.error() != disconnected()) co_return r.error();
+    co_return result<void>{};
+  }
   std::shared_ptr<conn_state> s_;
 };
 
