@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <fstream>
 #include <set>
+#include <string>
 #include <vector>
 
 using namespace shuttle;
@@ -91,7 +92,7 @@ task<read_outcome> read_until(const raw_peer& p, std::size_t want, bool until_en
     }
     (void)co_await sleep_for(2ms);
   }
-  FAIL("a raw peer waited " << deadline.count() << " s for " << (until_end ? "the end" : "bytes"));
+  FAIL("a raw peer waited " << deadline.count() << " s for " << std::string(until_end ? "the end" : "bytes"));
   co_return o;
 }
 
@@ -290,6 +291,8 @@ TEST_CASE("max_connections: a peer past the cap is closed at once; one more gets
     // A connection ends (its peer goes): the next client gets in.
     p1.close();
     co_await good_client_round_trip(l, port, true);
+    (void)co_await c1->close();
+    (void)co_await c2->close();
     l.close();
     co_await wind_down();
   }());
