@@ -205,8 +205,8 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     receive_buffer_bytes.fetch_sub(held, std::memory_order_relaxed);
   }
 
-  // The slot's receive buffer, allocated on first use (std::bad_alloc
-  // propagates: the reader fails the connection).
+  // The slot's receive buffer, allocated on first use, uninitialized (the
+  // payload is read into it); throws std::bad_alloc when memory is out.
   std::byte* slot_data(std::uint32_t slot) {
     auto& b = slot_buffers[slot];
     if (!b) {
