@@ -169,9 +169,11 @@ struct connection_options {
 // for how long (domain::listen). Every peer may be hostile: one that never
 // finishes its handshake, or that connects and says nothing, costs a
 // bounded amount of memory and time and never delays the others.
-// tcp provider: handshakes run in the background from the first accept()
-// on, each with its own deadline; a refused peer's socket is closed at once
-// (it reads EOF, without the server's hello).
+// tcp provider: while an accept() waits, the listener takes peers from the
+// kernel and starts their handshakes, which then run in the background,
+// concurrently, each with its own deadline; accept() returns the first
+// connection established. A refused peer's socket is closed at once (it
+// reads EOF, without the server's hello).
 struct listener_options {
   // Handshakes in progress at once; a connection request past it is
   // refused at once (verbs: a reject with a reason in its private data).

@@ -1008,8 +1008,8 @@ task<void> idle_watch(std::shared_ptr<conn_state> s, std::chrono::milliseconds l
   }
 }
 
-// A listener's state, shared with its acceptor and its handshakes: they end
-// a loop turn after close() (their stop is requested) and may outlive it.
+// A listener's state, shared with its handshakes: they end a loop turn after
+// close() (their stop is requested) and may outlive it.
 struct listener_core {
   listener_core(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim)
       : sock(std::move(l)),
@@ -1026,7 +1026,7 @@ struct listener_core {
   std::shared_ptr<live_count> live = std::make_shared<live_count>();
   std::uint32_t handshakes = 0;  // in progress
   std::error_code failure{};     // the listening socket's own error, for accept()
-  bool started = false;
+  event established;             // set when a handshake puts a connection in `ready`, and on close
   bool closed = false;
   std::stop_source stop;
 
@@ -1042,10 +1042,11 @@ struct listener_core {
   void close() noexcept {
     if (closed) return;
     closed = true;
-    stop.request_stop();  // the acceptor and every handshake in progress end, closing their sockets
+    stop.request_stop();  // every handshake in progress ends, closing its socket
     sock.close();
-    ready.close();                  // accept() calls waiting fail
+    ready.close();
     while (ready.try_receive()) {}  // established, never taken: closed here
+    established.set();              // accept() calls waiting fail
   }
 
   static bool transient(const std::error_code& ec) noexcept {
@@ -1056,24 +1057,32 @@ struct listener_core {
            ec != std::errc::operation_canceled;
   }
 
-  static task<void> acceptor(std::shared_ptr<listener_core> c) {
-    while (!c->closed) {
-      auto s = co_await c->sock.accept();
-      if (c->closed) break;
-      if (!s) {
-        if (transient(s.error()) && co_await sleep_for(std::chrono::milliseconds(10))) continue;
-        c->failure = s.error();
-        c->ready.close();
-        break;
+  // Takes one TCP connection from the kernel and starts its handshake, or
+  // refuses it. Run by accept(): a socket it got is never lost, even when
+  // accept() stops waiting for it (a handshake finished first).
+  static task<void> accept_one(std::shared_ptr<listener_core> c) {
+    auto s = co_await c->sock.accept();
+    if (c->closed) co_return;
+    if (!s) {
+      if (s.error() == std::errc::operation_canceled) co_return;
+      if (transient(s.error())) {
+        (void)co_await sleep_for(std::chrono::milliseconds(10));
+        co_return;
       }
-      if (!c->admits()) {
-        s->close();
-        continue;
-      }
-      ++c->handshakes;
-      spawn_detached(handshake_one(c, std::move(*s)), c->stop.get_token());
+      c->failure = s.error();
+      c->ready.close();
+      c->established.set();
+      co_return;
     }
+    if (!c->admits()) {
+      s->close();
+      co_return;
+    }
+    ++c->handshakes;
+    spawn_detached(handshake_one(c, std::move(*s)), c->stop.get_token());
   }
+
+  static task<void> await_established(std::shared_ptr<listener_core> c) { (void)co_await c->established.wait(); }
 
   // One peer's hello, with its own deadline, concurrently with the others.
   static task<void> handshake_one(std::shared_ptr<listener_core> c, tcp_socket sock) {
@@ -1088,13 +1097,15 @@ struct listener_core {
     connection conn(std::make_unique<tcp_connection>(std::move(*s)));
     // Closed meanwhile, or the backlog filled up since admits(): refused, and
     // `conn` closes here.
-    if (!c->closed) (void)c->ready.try_send(conn);
+    if (!c->closed && c->ready.try_send(conn)) c->established.set();
   }
 };
 
-// Handshakes run in the background (started by the first accept()), each
-// with its own deadline; accept() takes established connections from the
-// backlog. See listener_options for the limits.
+// accept() takes TCP connections from the kernel and starts their handshakes,
+// which run in the background, each with its own deadline, until it finds
+// an established connection in the backlog. Nothing runs for the listener
+// while no accept() waits and no handshake is in progress, so a listener
+// closed then leaves nothing behind. See listener_options for the limits.
 class tcp_listener_impl final : public listener_impl {
  public:
   tcp_listener_impl(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim)
@@ -1110,16 +1121,14 @@ class tcp_listener_impl final : public listener_impl {
 
  private:
   static task<result<connection>> accept_impl(std::shared_ptr<listener_core> c) {
-    if (c->closed) co_return std::make_error_code(std::errc::bad_file_descriptor);
-    if (!c->started) {
-      c->started = true;
-      spawn_detached(listener_core::acceptor(c), c->stop.get_token());
+    for (;;) {
+      if (auto conn = c->ready.try_receive()) co_return std::move(*conn);
+      if (c->closed || c->ready.closed())
+        co_return c->failure ? c->failure : std::make_error_code(std::errc::bad_file_descriptor);
+      c->established.reset();
+      co_await when_any(listener_core::accept_one(c), listener_core::await_established(c));
+      if ((co_await get_stop_token()).stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
     }
-    auto r = co_await c->ready.receive();
-    if (r) co_return std::move(*r);
-    if (r.error() == std::errc::broken_pipe)
-      co_return c->failure ? c->failure : std::make_error_code(std::errc::bad_file_descriptor);
-    co_return r.error();
   }
 
   std::shared_ptr<listener_core> c_;

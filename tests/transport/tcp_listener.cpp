@@ -103,9 +103,13 @@ bool still_pending(const raw_peer& p) {
   return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
+task<void> nothing() { co_return; }
+
 // A client connects (retrying while the server refuses it), sends a message
-// the server echoes, and checks the echo.
-task<void> good_client_round_trip(listener& l, std::uint16_t port, bool retry) {
+// the server echoes, and checks the echo. The server's accept() waits from
+// the start, so the listener takes peers from the kernel meanwhile; `before`
+// runs first on the client's side (hostile peers come and go there).
+task<void> good_client_round_trip(listener& l, std::uint16_t port, bool retry, task<void> before = nothing()) {
   domain cd = tcp_domain();
   connection_options co;
   co.connect_timeout = 120s;  // the old, serialized accept served it late rather than never
@@ -120,6 +124,7 @@ task<void> good_client_round_trip(listener& l, std::uint16_t port, bool retry) {
     co_return std::move(*c);
   };
   auto client_side = [&]() -> task<result<void>> {
+    co_await std::move(before);
     auto stop = clock::now() + deadline;
     result<connection> c = std::make_error_code(std::errc::timed_out);
     do {
@@ -196,19 +201,19 @@ TEST_CASE("max_handshakes: a peer past the cap is closed at once; a good client 
     lim.handshake_timeout = 60s;
     listener l = d.listen(endpoint::loopback(0), {}, lim).value();
     const std::uint16_t port = l.local_endpoint().port();
-    // accept() starts the listener's background work: a good client first.
-    co_await good_client_round_trip(l, port, false);
     raw_peer a(port), b(port);
-    CHECK((co_await read_until(a, wire::hello_size, false)).bytes == wire::hello_size);
-    CHECK((co_await read_until(b, wire::hello_size, false)).bytes == wire::hello_size);
-    // Both handshake slots are taken: the next peer is closed without a hello.
-    raw_peer refused(port);
-    auto o = co_await read_until(refused, 0, true);
-    CHECK(o.ended);
-    CHECK(o.bytes == 0);
-    // One silent peer leaves: its slot frees, a good client gets through.
-    a.close();
-    co_await good_client_round_trip(l, port, true);
+    auto hostile = [](raw_peer& a, raw_peer& b, std::uint16_t port) -> task<void> {
+      CHECK((co_await read_until(a, wire::hello_size, false)).bytes == wire::hello_size);
+      CHECK((co_await read_until(b, wire::hello_size, false)).bytes == wire::hello_size);
+      // Both handshake slots are taken: the next peer is closed without a hello.
+      raw_peer refused(port);
+      auto o = co_await read_until(refused, 0, true);
+      CHECK(o.ended);
+      CHECK(o.bytes == 0);
+      // One silent peer leaves: its slot frees, and the good client gets through.
+      a.close();
+    };
+    co_await good_client_round_trip(l, port, true, hostile(a, b, port));
     CHECK(still_pending(b));
     l.close();
     CHECK((co_await read_until(b, 0, true)).ended);
@@ -287,13 +292,15 @@ TEST_CASE("max_connections: a peer past the cap is closed at once; one more gets
     auto c2 = co_await with_timeout(l.accept(), deadline);
     REQUIRE(c1.has_value());
     REQUIRE(c2.has_value());
-    raw_peer refused(port);
-    auto o = co_await read_until(refused, 0, true);
-    CHECK(o.ended);
-    CHECK(o.bytes == 0);
-    // A connection ends (its peer goes): the next client gets in.
-    p1.close();
-    co_await good_client_round_trip(l, port, true);
+    auto hostile = [](raw_peer& p1, std::uint16_t port) -> task<void> {
+      raw_peer refused(port);
+      auto o = co_await read_until(refused, 0, true);
+      CHECK(o.ended);
+      CHECK(o.bytes == 0);
+      // A connection ends (its peer goes): the good client gets in.
+      p1.close();
+    };
+    co_await good_client_round_trip(l, port, true, hostile(p1, port));
     (void)co_await c1->close();
     (void)co_await c2->close();
     l.close();
