@@ -3,6 +3,8 @@
 //
 //   shuttle-echo-server --port P [--threads N] [--transport tcp|rdma|tcp-provider]
 //                       [--bind ADDR] [--max-message BYTES]
+//                       [--max-handshakes N] [--handshake-timeout MS]
+//                       [--max-connections N] [--idle-timeout MS]
 //
 // --transport tcp (the default): plain TCP sockets. N runtime threads, each
 // with its own io_context and its own listener bound with SO_REUSEPORT to the
@@ -18,7 +20,9 @@
 // Every connection is one coroutine that echoes each received message with a
 // send. Messages up to --max-message bytes (default 65536: the size of the
 // server's receive buffers, and so the clients' max_message_size()); 4 to 16
-// of them per connection (1 MiB, at least 4).
+// of them per connection (1 MiB, at least 4). The listener's limits on
+// peers (listener_options: handshakes in progress and their deadline, a
+// connection cap, an idle timeout) come from the flags of the same names.
 //
 // --port 0 binds an ephemeral port (thread 0 binds first, the others join it);
 // the listening line prints the real one:
@@ -317,6 +321,8 @@ struct options {
   std::size_t max_message = 65536;
   std::size_t recv_ring = 0;
   bool register_files = true;
+  shuttle::listener_options limits;  // rdma, tcp-provider
+  bool limits_set = false;
 };
 
 const char* const kUsage =
@@ -332,7 +338,15 @@ const char* const kUsage =
     "  --recv-ring N        tcp: receive through a ring of N kernel-provided buffers per thread\n"
     "                       (multishot recv; N a power of two; default 0: a buffer per connection)\n"
     "  --no-registered-files  tcp: operations name each socket by its fd, not by a slot in the\n"
-    "                       ring's registered-file table (for comparisons)\n";
+    "                       ring's registered-file table (for comparisons)\n"
+    "  --max-handshakes N   rdma, tcp-provider: handshakes in progress at once; a peer past it\n"
+    "                       is refused at once (default 64)\n"
+    "  --handshake-timeout MS  rdma, tcp-provider: how long a peer has to finish its handshake\n"
+    "                       (default 5000)\n"
+    "  --max-connections N  rdma, tcp-provider: connections alive at once; past it new peers\n"
+    "                       are refused (default 0: no cap)\n"
+    "  --idle-timeout MS    rdma, tcp-provider: a connection on which nothing arrives for this\n"
+    "                       long is closed (default 0: never)\n";
 
 options parse_options(int argc, char** argv) {
   options o;
@@ -358,6 +372,28 @@ options parse_options(int argc, char** argv) {
                  o.recv_ring = p.count("--recv-ring", v, 0, 32768);
                  if (o.recv_ring & (o.recv_ring - 1)) p.fail("--recv-ring must be a power of two");
                }},
+              {"--max-handshakes",
+               [&](std::string_view v) {
+                 o.limits.max_handshakes = static_cast<std::uint32_t>(p.count("--max-handshakes", v, 1, 1u << 20));
+                 o.limits_set = true;
+               }},
+              {"--handshake-timeout",
+               [&](std::string_view v) {
+                 o.limits.handshake_timeout =
+                     std::chrono::milliseconds(p.count("--handshake-timeout", v, 1, 3'600'000));
+                 o.limits_set = true;
+               }},
+              {"--max-connections",
+               [&](std::string_view v) {
+                 o.limits.max_connections =
+                     static_cast<std::uint32_t>(p.count("--max-connections", v, 0, 1u << 24));
+                 o.limits_set = true;
+               }},
+              {"--idle-timeout",
+               [&](std::string_view v) {
+                 o.limits.idle_timeout = std::chrono::milliseconds(p.count("--idle-timeout", v, 0, 86'400'000));
+                 o.limits_set = true;
+               }},
               {"--max-message",
                [&](std::string_view v) {
                  o.max_message = p.bytes("--max-message", v, 1, 1ull << 30);
@@ -370,6 +406,9 @@ options parse_options(int argc, char** argv) {
            " a listener and its connections belong to one thread");
   if (o.transport == cli::transport::socket && max_set)
     p.fail("--max-message applies to --transport rdma and tcp-provider (a TCP stream has no messages)");
+  if (o.transport == cli::transport::socket && o.limits_set)
+    p.fail("--max-handshakes, --handshake-timeout, --max-connections and --idle-timeout apply to --transport rdma "
+           "and tcp-provider");
   return o;
 }
 
@@ -482,7 +521,7 @@ task<shuttle::result<void>> open_transport(transport_server& srv, const options&
   shuttle::connection_options copts;
   copts.receive_buffers = receive_buffers_for(opts.max_message);
   copts.receive_buffer_size = opts.max_message;
-  auto l = srv.domain->listen(ep, copts);
+  auto l = srv.domain->listen(ep, copts, opts.limits);
   if (!l) {
     srv.step = "cannot listen on " + ep.to_string() + " over " + srv.domain->describe();
     srv.domain.reset();

@@ -211,6 +211,11 @@ struct connection_options {
 // for how long (domain::listen). Every peer may be hostile: one that never
 // finishes its handshake, or that connects and says nothing, costs a
 // bounded amount of memory and time and never delays the others.
+// tcp provider: while an accept() waits, the listener takes peers from the
+// kernel and starts their handshakes, which then run in the background,
+// concurrently, each with its own deadline; accept() returns the first
+// connection established. A refused peer's socket is closed at once (it
+// reads EOF, without the server's hello).
 struct listener_options {
   // Handshakes in progress at once; a connection request past it is
   // refused at once (verbs: a reject with a reason in its private data).
@@ -218,13 +223,18 @@ struct listener_options {
   // How long a peer has to finish its handshake; past it, it is dropped.
   std::chrono::milliseconds handshake_timeout{5000};
   // Connections established and not yet taken by accept(); past it new
-  // requests are refused.
+  // requests are refused (tcp provider: 0 counts as 1).
   std::uint32_t accept_backlog = 64;
   // Connections from this listener alive at once (0: no cap); past it a
-  // new request is refused.
+  // new request is refused. Handshakes in progress count too, so that they
+  // cannot overshoot it; a connection counts until it has failed or closed
+  // (tcp provider: until its socket is closed, even while the application
+  // still holds the connection object).
   std::uint32_t max_connections = 0;
   // An accepted connection on which nothing arrives from the peer for this
-  // long fails with errc::idle_timeout (0: never).
+  // long fails with errc::idle_timeout (0: never). tcp provider: no byte
+  // of data (the kernel's time of the last data received, checked about
+  // once per timeout); it fails up to about a sixteenth of it late.
   std::chrono::milliseconds idle_timeout{0};
 };
 
