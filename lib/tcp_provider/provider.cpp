@@ -109,9 +109,10 @@ bool needs_responder(opcode op) noexcept { return op == opcode::read_req || op =
 // Frames the reader handles in one go before it gives the loop turn back:
 // a peer that keeps the socket full must not starve the other connections.
 inline constexpr unsigned reader_frame_budget = 64;
-// After a NAK, how long the NAK may take to go out and the peer to close,
-// whatever the application does with the connection meanwhile.
-inline constexpr std::chrono::milliseconds nak_linger{2000};
+// How long what we owe a peer (a NAK and the peer's close after it, or on
+// close() the last ACK and credits) may take to go out: a peer that does not
+// read holds the connection no longer than this.
+inline constexpr std::chrono::milliseconds linger{2000};
 
 struct out_frame {
   std::array<std::byte, header_size> hdr{};
@@ -367,7 +368,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
           n.seq = h.seq;
           queue_response(n);
           nak_then_drain = true;
-          nak_deadline = clock::now() + nak_linger;
+          nak_deadline = clock::now() + linger;
           set_error(err(errc::peer_access_refused));
           return action::drain;
         }
@@ -856,8 +857,10 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     }
     // What we owe the peer goes out first (the ACK of the message we just
     // consumed, returned credits): the writer is parked with nothing left to
-    // send, so its last writev completed.
-    while (!s->stopping && !s->error &&
+    // send, so its last writev completed. A peer that does not read gets
+    // the linger time.
+    const auto deadline = clock::now() + linger;
+    while (!s->stopping && !s->error && clock::now() < deadline &&
            (!s->writer_waiter || !s->outq.empty() || s->ack_seq != s->ack_sent || s->credits_to_return != 0)) {
       if ((co_await get_stop_token()).stop_requested()) break;  // a cancelled close aborts
       s->wake_writer();
