@@ -438,21 +438,17 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
 
   // The frame whose payload begin_frame asked for is complete.
   void finish_payload(const header& h) {
-    switch (h.op) {
-      case opcode::send:
-      case opcode::write_imm: {
-        inbound in{cur_slot, h.op == opcode::send ? h.length : 0, {}};
-        if (h.flags & flag_imm) in.imm = h.imm;
-        (void)inbox.try_send(in);
-        [[fallthrough]];
-      }
-      case opcode::write:
-        ack_seq = h.seq;
-        wake_writer();
-        break;
-      case opcode::read_resp: pop_complete(std::exchange(cur_op, nullptr), {}, 0); break;
-      default: break;
+    if (h.op == opcode::read_resp) {
+      pop_complete(std::exchange(cur_op, nullptr), {}, 0);
+      return;
     }
+    if (h.op == opcode::send || h.op == opcode::write_imm) {
+      inbound in{cur_slot, h.op == opcode::send ? h.length : 0, {}};
+      if (h.flags & flag_imm) in.imm = h.imm;
+      (void)inbox.try_send(in);
+    }
+    ack_seq = h.seq;  // SEND, WRITE, WRITE_IMM
+    wake_writer();
   }
 
   // Takes what the socket already holds with a plain non-blocking recv
