@@ -31,7 +31,7 @@ inline constexpr std::uint32_t max_receive_buffers = 1u << 16;
 // READ/atomic requests a side answers at once (its responses not yet taken
 // by its writer); a peer with more outstanding is not read from until
 // responses go out (back-pressure). What we announce, and the most a peer may.
-inline constexpr std::uint32_t default_responder_ops = 64;
+inline constexpr std::uint32_t default_responder_ops = 128;
 inline constexpr std::uint32_t max_responder_ops_limit = 1u << 16;
 
 struct hello {
