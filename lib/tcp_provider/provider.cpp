@@ -1298,14 +1298,8 @@ struct listener_core {
   bool closed = false;
   std::stop_source stop;
 
-  // Whether a new TCP connection may start its handshake; if not, it is
+  // A new TCP connection that may not start its handshake (refusal()) is
   // closed at once (the peer reads EOF) and costs nothing more.
-  bool admits() const noexcept {
-    if (handshakes >= limits.max_handshakes) return false;
-    if (ready.size() >= ready.capacity()) return false;
-    if (limits.max_connections != 0 && live->n + handshakes >= limits.max_connections) return false;
-    return true;
-  }
 
   void close() noexcept {
     if (closed) return;
@@ -1315,6 +1309,25 @@ struct listener_core {
     ready.close();
     while (ready.try_receive()) {}  // established, never taken: closed here
     established.set();              // accept() calls waiting fail
+  }
+
+  void refused(const tcp_socket& peer, std::string_view why) const {
+    if (!limits.on_refused) return;
+    auto ep = peer.remote_endpoint();
+    try {
+      limits.on_refused(ep ? *ep : endpoint{}, why);
+    } catch (...) {  // the application's logger: its failure is not the listener's
+    }
+  }
+
+  // Why a new TCP connection is refused at once, or nullptr if it may start
+  // its handshake.
+  const char* refusal() const noexcept {
+    if (handshakes >= limits.max_handshakes) return "refused: too many handshakes in progress";
+    if (ready.size() >= ready.capacity()) return "refused: accept backlog full";
+    if (limits.max_connections != 0 && live->n + handshakes >= limits.max_connections)
+      return "refused: connection cap reached";
+    return nullptr;
   }
 
   static bool transient(const std::error_code& ec) noexcept {
@@ -1342,7 +1355,8 @@ struct listener_core {
       c->established.set();
       co_return;
     }
-    if (!c->admits()) {
+    if (const char* why = c->refusal()) {
+      c->refused(*s, why);
       s->close();
       co_return;
     }
@@ -1356,14 +1370,18 @@ struct listener_core {
   static task<void> handshake_one(std::shared_ptr<listener_core> c, tcp_socket sock) {
     auto s = co_await with_timeout(handshake(sock, c->dom, c->opts), c->limits.handshake_timeout);
     --c->handshakes;
-    if (!s) co_return;  // a failed, late or cancelled hello: `sock` closes here
+    if (!s) {  // a failed, late or cancelled hello: `sock` closes here
+      if (!c->closed && s.error() != std::errc::operation_canceled)
+        c->refused(sock, "handshake failed: " + s.error().message());
+      co_return;
+    }
     (*s)->origin = c->live;
     ++c->live->n;
     (*s)->start();
     if (c->limits.idle_timeout.count() > 0)
       spawn_detached(idle_watch(*s, c->limits.idle_timeout), (*s)->stop.get_token());
     connection conn(std::make_unique<tcp_connection>(std::move(*s)));
-    // Closed meanwhile, or the backlog filled up since admits(): refused, and
+    // Closed meanwhile, or the backlog filled up since refusal(): refused, and
     // `conn` closes here.
     if (!c->closed && c->ready.try_send(conn)) c->established.set();
   }
