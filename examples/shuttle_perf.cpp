@@ -469,8 +469,16 @@ task<void> serve_one(connection c, domain& d) {
     ctrl out{};
     out.op = cmd::outcome;
     if (p.test == test_id::write_bw) {
-      for (std::uint64_t i = 0; i < std::min(slots, total); ++i)
+      auto map = check(co_await c.recv(), "recv (slot map)");
+      if (map.size() != slots) fail("protocol error: slot map of " + std::to_string(map.size()) + " bytes");
+      std::uint64_t written = 0;
+      for (std::uint64_t i = 0; i < slots; ++i) {
+        if (map.data()[i] == std::byte{0}) continue;
+        ++written;
         if (!has_pattern(mem.p + i * size, size)) out.status = 1;
+      }
+      if (written == 0 && total != 0) out.status = 1;
+      map.reset();
     } else if (p.test == test_id::atomic) {
       std::uint64_t v;
       std::memcpy(&v, mem.p, 8);
@@ -610,14 +618,15 @@ task<void> bw_worker(client_state& s, test_id t, std::uint64_t size, std::uint64
   }
 }
 
+// `used` (out): one byte per slot, 1 where an operation used that slot.
 task<bw_row> run_bw(client_state& s, test_id t, std::uint64_t size, std::uint64_t iters, std::uint64_t warmup,
-                    std::uint64_t depth, std::uint64_t batch) {
+                    std::uint64_t depth, std::uint64_t batch, std::vector<char>& used) {
   const std::uint64_t slots = slots_for(s.local->n, size, depth);
   if (t == test_id::write_bw || t == test_id::send_bw)
     for (std::uint64_t i = 0; i < slots; ++i) fill_pattern(s.local->p + i * size, size);
   else
     std::memset(s.local->p, 0, slots * size);
-  std::vector<char> used(slots, 0);
+  used.assign(slots, 0);
   auto phase = [&](std::uint64_t n, std::vector<clock::time_point>& done) -> task<void> {
     std::uint64_t next = 0;
     std::vector<task<void>> workers;
@@ -826,13 +835,18 @@ task<int> client_main(const options& o) {
     (void)co_await recv_ctrl(s.c, cmd::ready);
     std::optional<bw_row> bw;
     std::optional<lat_row> lat;
+    std::vector<char> used;
     if (t.latency)
       lat = co_await run_lat(s, t.id, size, iters, warmup, imm, o.prepared);
     else
-      bw = co_await run_bw(s, t.id, size, iters, warmup, depth, batch);
+      bw = co_await run_bw(s, t.id, size, iters, warmup, depth, batch, used);
     ctrl e{};
     e.op = cmd::end;
     co_await send_ctrl(s.c, e);
+    // write_bw: which slots were written. Operations that complete at once
+    // let one worker take every batch, so the written slots need not be the
+    // first ones; the server checks exactly these.
+    if (t.id == test_id::write_bw) check(co_await s.c.send(std::as_bytes(std::span(used))), "send (slot map)");
     ctrl out = co_await recv_ctrl(s.c, cmd::outcome);
     if (out.status != 0) fail(std::string(t.name) + ": the server found wrong data in its memory");
     if (bw) {
