@@ -56,6 +56,22 @@
 #   SERVER_CPUS / CLIENT_CPUS (taskset lists; "" with PIN=0: not pinned),
 #   SERVER_THREADS (1), CLIENT_THREADS, ECHO=0 (no echo rows).
 # e.g. REPS=7 bench/ab_tcp.sh /tmp/old/examples build-ab/examples
+# A full run (5 reps, 3 s echo runs) takes about 4 minutes per echo mode and
+# 2 for the perf rows on 16 quiet cores; under a 10-minute limit per command
+# run it in three parts: MODES=tcp PERF= ..., MODES=tcp-provider PERF= ...,
+# ECHO=0 ....
+#
+# Making the sets (here: A = an old commit, B = this checkout), on a machine
+# with meson; the binaries need libstdc++ and glibc >= the build machine's:
+#   git worktree add --detach /tmp/ab-a OLD_COMMIT
+#   for t in /tmp/ab-a .; do (cd $t && meson setup build-ab --buildtype=release \
+#     -Dstatic_uring=true -Drdma=disabled -Dcuda=disabled -Dasio=disabled -Dtests=disabled \
+#     -Dbench=false && ninja -C build-ab examples/shuttle-echo-server \
+#     examples/shuttle-echo-client examples/shuttle-perf); done
+#   mkdir -p .device/ab/A .device/ab/B
+#   cp /tmp/ab-a/build-ab/examples/shuttle-{echo-server,echo-client,perf} .device/ab/A/
+#   cp build-ab/examples/shuttle-{echo-server,echo-client,perf} .device/ab/B/
+#   ldd .device/ab/*/shuttle-perf   # no liburing, no libibverbs
 set -euo pipefail
 quick=0
 if [ "${1:-}" = --quick ]; then quick=1; shift; fi
@@ -77,10 +93,10 @@ perf_points=${PERF-write_bw:65536 write_bw:1048576 read_bw:65536 read_bw:1048576
 depth=${PERF_DEPTH:-16}
 sthreads=${SERVER_THREADS:-1}
 cores=$(nproc)
-if [ "${PIN:-1}" = 0 ]; then def_s= def_c= def_t=1
+if [ "${PIN:-1}" = 0 ]; then def_s='' def_c='' def_t=1
 elif [ "$cores" -ge 8 ]; then def_s=2-3 def_c=4-7 def_t=4
 elif [ "$cores" -ge 4 ]; then def_s=1 def_c=2-3 def_t=2
-else def_s= def_c= def_t=1; fi
+else def_s='' def_c='' def_t=1; fi
 server_cpus=${SERVER_CPUS-$def_s}
 client_cpus=${CLIENT_CPUS-$def_c}
 cthreads=${CLIENT_THREADS:-$def_t}
@@ -237,6 +253,12 @@ if [ "${ECHO:-1}" != 0 ]; then
       echo "# echo $mode: both servers driven by B's shuttle-echo-client"
     else own_client[$mode]=1
       echo "# echo $mode: B's client cannot talk to A's server (A's: ${a_wire:-no wire version printed}): each server driven by its own set's client"
+    fi
+    if [ "$mode" != tcp ]; then
+      for s in A B; do
+        has_flag "$(set_dir $s)/shuttle-echo-server" --max-handshakes &&
+          echo "# echo $mode: $s's server gets --max-handshakes CONNS above 64 connections"
+      done
     fi
   done
 fi
