@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soak: mixed load with hostile peers among good ones against the echo server.
 
-Usage: bench/soak.py BUILD_DIR [--minutes M] [--mode tcp|tcp-ring|tcp-provider|all]
+Usage: bench/soak.py BUILD_DIR [--minutes M] [--mode tcp|tcp-ring|tcp-provider|all] [--nonreaders N]
 
 For each mode, one shuttle-echo-server runs while
   - good clients (shuttle-echo-client, a few connections, sizes 64 B to 64 KiB)
@@ -10,7 +10,8 @@ For each mode, one shuttle-echo-server runs while
   - hostile peers run beside them, each kind in its own thread:
       silent     connections that never send a byte (held, reopened when closed)
       partial    half a hello (tcp-provider) or half a request, then nothing
-      nonreader  sends without ever reading what comes back
+      nonreader  sends without ever reading what comes back (a new one every
+                 2 s; the last N are held open, 10 unless --nonreaders N)
       flood      (tcp-provider) a stream of valid no-op frames (ACK of seq 0)
       nak        (tcp-provider) a READ with a forged rkey: must get its NAK
       garbage    random bytes after the hello
@@ -107,7 +108,7 @@ def provider_hello(s):
     return first
 
 
-def hostile(kind, port, provider, stop, st):
+def hostile(kind, port, provider, stop, st, nonreaders=10):
     held = []
     rnd = random.Random(kind)
     while not stop.is_set():
@@ -157,7 +158,7 @@ def hostile(kind, port, provider, stop, st):
                             time.sleep(0.05)
                 held.append(s)
                 st.add("nonreader_conns")
-                if len(held) > 10:
+                if len(held) > nonreaders:
                     held.pop(0).close()
                 stop.wait(2.0)
             elif kind == "flood":
@@ -269,7 +270,7 @@ def proc_figures(pid):
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def soak(build, mode, minutes):
+def soak(build, mode, minutes, nonreaders=10):
     server = os.path.join(build, "examples", "shuttle-echo-server")
     client = os.path.join(build, "examples", "shuttle-echo-client")
     port = free_port()
@@ -296,7 +297,7 @@ def soak(build, mode, minutes):
     kinds = ["silent", "partial", "nonreader", "garbage"]
     if provider:
         kinds += ["flood", "nak", "splitter"]
-    threads = [threading.Thread(target=hostile, args=(k, port, provider, stop, st)) for k in kinds]
+    threads = [threading.Thread(target=hostile, args=(k, port, provider, stop, st, nonreaders)) for k in kinds]
     threads.append(threading.Thread(target=good, args=(client, port, transport, stop, st, lat)))
     for t in threads:
         t.start()
@@ -346,9 +347,10 @@ def main():
     ap.add_argument("build")
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--mode", default="all", choices=["tcp", "tcp-ring", "tcp-provider", "all"])
+    ap.add_argument("--nonreaders", type=int, default=10, help="non-reading peers held open at once")
     a = ap.parse_args()
     modes = ["tcp", "tcp-ring", "tcp-provider"] if a.mode == "all" else [a.mode]
-    ok = all([soak(a.build, m, a.minutes) for m in modes])
+    ok = all([soak(a.build, m, a.minutes, a.nonreaders) for m in modes])
     sys.exit(0 if ok else 1)
 
 

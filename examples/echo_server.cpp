@@ -181,8 +181,22 @@ task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats
       }
       auto n = co_await sock.write_some(data);
       if (!n) break;
-      if (*n < data.size() && !co_await write_rest(sock, data, *n)) break;
-      stats.bytes += data.size();
+      const std::size_t size = data.size();
+      if (*n < size) {
+        if (rx) {
+          // The peer is slow to take its echo: wait on a copy, so that a
+          // client that never reads holds none of the ring shared by this
+          // thread's connections.
+          if (!own) own.reset(new std::byte[kBufferSize]);
+          std::memcpy(own.get(), data.data() + *n, size - *n);
+          data = std::span<const std::byte>(own.get(), size - *n);
+          held.reset();
+          if (!co_await write_rest(sock, data, 0)) break;
+        } else if (!co_await write_rest(sock, data, *n)) {
+          break;
+        }
+      }
+      stats.bytes += size;
     }
   } catch (...) {
     // Out of memory or SQEs: drop this connection, keep the server.

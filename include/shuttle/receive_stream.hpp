@@ -3,9 +3,19 @@
 // buffer the kernel picks from a ring shared by many sockets. It pays where
 // many connections mostly wait (a server with thousands of sockets holds
 // ring buffers only for data that arrived, not one buffer per socket) and
-// where one submission per message is worth saving. A stream holds at most
-// a quota of the ring's buffers that its consumer has not taken
-// (receive_stream_options): one stalled consumer cannot starve the others.
+// where one submission per message is worth saving.
+//
+// Sharing: a stream receives ahead of its consumer only on buffers the ring
+// promises it (a few at a time, at most its quota: receive_stream_options),
+// and the ring promises none out of its reserve (count() / 8), which is kept
+// for consumers waiting with nothing queued: these receive one buffer at a
+// time. However many consumers stall, their queues hold at most the ring
+// less its reserve, and a consumer that keeps taking its buffers keeps
+// receiving. A ring that runs dry anyway (buffers held by consumers, a burst
+// past a promise) is a normal state: the streams it stopped wait their turn,
+// first come first served, and restart as buffers come back. Buffers a
+// consumer has taken are its own until it drops them: hold one no longer
+// than it takes to use it (copy the data out before a long wait).
 //
 //   buffer_ring ring(ctx, 1024, 16384);           // per io_context
 //   receive_stream rx(sock, ring);
@@ -45,23 +55,44 @@ class buffer_ring {
   // the ring empty.
   void recycle(unsigned id) noexcept;
 
-  // A stream drawing on this ring. The ring restarts one whose multishot
-  // request ended for lack of buffers, and tells every one when it goes
-  // (a cancelled request may still complete after its stream and the ring).
-  struct starved {
-    virtual void buffers_available() noexcept = 0;
+  // Buffers in the kernel's hands (neither received into nor held).
+  unsigned available() const noexcept { return free_; }
+  // Buffers no stream is promised for receiving ahead of its consumer.
+  unsigned reserve() const noexcept { return reserve_; }
+
+  // The share-out, for receive_stream (lib/receive_stream.cpp says how).
+  struct client {
+    // The ring has buffers again: true when the client re-armed, so it
+    // takes one of them.
+    virtual bool buffers_available() noexcept = 0;
     virtual void ring_destroyed() noexcept = 0;
-    starved* next_starved = nullptr;
-    bool is_starved = false;
+    client* next_waiting = nullptr;
+    bool waiting = false;
 
    protected:
-    ~starved() = default;
+    ~client() = default;
   };
-  void attach(starved& s) { clients_.push_back(&s); }
-  void detach(starved& s) noexcept;
-  void wait_for_buffers(starved& s) noexcept;
+  void attach(client& c) { clients_.push_back(&c); }
+  void detach(client& c) noexcept;
+  // `c` found the ring dry: wake it when a buffer comes back, in arrival
+  // order (`first`: ahead of the others, it lost a buffer it was woken for).
+  void wait_for_buffers(client& c, bool first = false) noexcept;
+  void stop_waiting(client& c) noexcept;
+  // Promises up to `want` buffers out of what is free beyond the promises
+  // made and the reserve; 0 when there is nothing to promise.
+  unsigned promise(unsigned want) noexcept;
+  void unpromise(unsigned n) noexcept { promised_ -= n; }
+  // A completion carried one of the ring's buffers (against a promise or not).
+  void taken(bool promised) noexcept {
+    --free_;
+    if (promised) --promised_;
+  }
+  // The most a stream is promised at once, so that many streams share.
+  unsigned promise_limit() const noexcept { return promise_limit_; }
 
  private:
+  void serve_waiters() noexcept;
+
   io_context& ctx_;
   io_uring_buf_ring* ring_ = nullptr;
   std::size_t ring_bytes_ = 0;
@@ -69,8 +100,14 @@ class buffer_ring {
   std::size_t size_;
   unsigned count_;
   std::uint16_t group_;
-  starved* starved_ = nullptr;
-  std::vector<starved*> clients_;
+  unsigned free_;
+  unsigned promised_ = 0;
+  unsigned reserve_;
+  unsigned promise_limit_;
+  client* first_waiting_ = nullptr;
+  client* last_waiting_ = nullptr;
+  bool serving_ = false;
+  std::vector<client*> clients_;
 };
 
 // Bytes received into a ring buffer; the buffer returns to the ring when
@@ -109,14 +146,16 @@ class provided_buffer {
 
 struct receive_stream_options {
   // Ring buffers the stream may hold with data that next() has not taken
-  // yet. Past it the stream stops receiving (its multishot request is
-  // cancelled; the data waits in the socket) until the consumer has taken
-  // them all, so a consumer that stalls, or a peer that sends faster than
-  // it is served, cannot empty a ring other streams share. The request
-  // carries the quota as a byte limit (quota x buffer size; Linux 6.17+), so
-  // partly filled buffers may overshoot it until the cancel lands; older
-  // kernels only get the cancel, which lands after a burst of the kernel's
-  // (up to the whole ring). 0: count() / 8 of the ring, at least 1.
+  // yet. Past it the stream stops receiving (the data waits in the socket)
+  // until the consumer has taken them all, so a consumer that stalls, or a
+  // peer that sends faster than it is served, cannot empty a ring other
+  // streams share. The ring also caps what all streams together may hold
+  // ahead of their consumers (see buffer_ring above). A request carries its
+  // promise as a byte limit (Linux 6.17+) and is cancelled once it has used
+  // the promised buffers: partly filled buffers may overshoot a promise
+  // until the cancel lands (the ring's reserve absorbs that); older kernels
+  // only get the cancel, which lands after a burst of the kernel's (up to
+  // the whole ring). 0: count() / 8 of the ring, at least 1.
   unsigned max_queued = 0;
 };
 

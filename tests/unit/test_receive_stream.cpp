@@ -197,3 +197,133 @@ TEST_CASE("receive_stream: a stalled consumer leaves the shared ring to the othe
     co_await scope.join();
   }());
 }
+
+// Many stalled consumers together must not empty the ring either: with far
+// more of them than ring / quota (each may hold its quota), a consumer that
+// keeps taking its buffers still receives every byte its peer sends.
+TEST_CASE("receive_stream: many stalled consumers leave the shared ring to a good one") {
+  constexpr unsigned kBuffers = 64;
+  constexpr std::size_t kBufferSize = 512;
+  constexpr int kStalled = 32;  // x the default quota (64 / 8) = 4 x the ring
+  io_context ctx;
+  buffer_ring ring(ctx, kBuffers, kBufferSize);
+  auto l = tcp_listener::bind(endpoint::loopback(0)).value();
+  ctx.run([&]() -> task<void> {
+    std::vector<socket_pair> stalled_pairs;
+    std::vector<std::unique_ptr<receive_stream>> stalled;
+    for (int i = 0; i < kStalled; ++i) {
+      stalled_pairs.push_back(co_await connected_pair(l));
+      stalled.push_back(std::make_unique<receive_stream>(stalled_pairs.back().server, ring));
+    }
+    auto good = co_await connected_pair(l);
+    receive_stream good_rx(good.server, ring);
+    // Each stalled peer sends more than its quota (it fits in the socket
+    // buffers: the writes complete); its consumer takes one buffer, then
+    // stops.
+    std::vector<std::byte> junk(32 * 1024, std::byte{0xee});
+    async_scope scope;
+    for (auto& p : stalled_pairs)
+      scope.spawn([](tcp_socket& s, std::span<const std::byte> d) -> task<void> {
+        REQUIRE((co_await s.write_all(d)).has_value());
+      }(p.client, junk));
+    int no_first_buffer = 0;
+    for (auto& rx : stalled)
+      scope.spawn([](receive_stream& rx, int& failures) -> task<void> {
+        auto first = co_await with_timeout(as_task(rx.next()), 20s);
+        if (!first || first->empty()) ++failures;
+      }(*rx, no_first_buffer));
+    co_await scope.join();
+    CHECK(no_first_buffer == 0);
+    // Let the kernel deliver all it will into the stalled streams: wait until
+    // their queues stop growing.
+    auto held = [&] {
+      std::size_t n = 0;
+      for (auto& rx : stalled) n += rx->queued();
+      return n;
+    };
+    std::size_t last = 0;
+    for (int stable = 0, turns = 0; stable < 20 && turns < 3000; ++turns) {
+      (void)co_await sleep_for(5ms);
+      if (held() == last) {
+        ++stable;
+      } else {
+        stable = 0;
+        last = held();
+      }
+    }
+    INFO("buffers queued on the stalled streams: " << held());
+    CHECK(held() < kBuffers);
+    // The good peer sends 4 x the ring's bytes; its consumer takes them all.
+    std::vector<std::uint8_t> src(std::size_t(kBuffers) * kBufferSize * 4);
+    for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint8_t>(i * 13 + i / 509);
+    auto writer = [&]() -> task<void> {  // named: the coroutine refers to this closure
+      REQUIRE((co_await good.client.write_all(std::as_bytes(std::span(src)))).has_value());
+      REQUIRE(good.client.shutdown(SHUT_WR).has_value());
+    };
+    scope.spawn(writer());
+    std::vector<std::uint8_t> got;
+    for (;;) {
+      auto r = co_await with_timeout(as_task(good_rx.next()), 20s);
+      if (!r) {
+        FAIL_CHECK("the good stream stalled after " << got.size() << " of " << src.size()
+                                                     << " bytes: " << r.error().message());
+        good.client.close();  // ends the writer, so the scope can be joined
+        break;
+      }
+      if (r->empty()) break;
+      for (auto x : r->data()) got.push_back(std::to_integer<std::uint8_t>(x));
+    }
+    CHECK(got.size() == src.size());
+    CHECK(got == src);
+    co_await scope.join();
+  }());
+}
+
+// A ring far smaller than its streams' demand runs dry again and again: a
+// normal state, never an error. Every stream gets all its data, in order,
+// whatever the turn the ring gives it.
+TEST_CASE("receive_stream: many streams on a tiny ring all get their data") {
+  constexpr int kStreams = 16;
+  constexpr std::size_t kBytes = 8 * 1024;
+  io_context ctx;
+  buffer_ring ring(ctx, 4, 256);
+  auto l = tcp_listener::bind(endpoint::loopback(0)).value();
+  ctx.run([&]() -> task<void> {
+    std::vector<socket_pair> pairs;
+    for (int i = 0; i < kStreams; ++i) pairs.push_back(co_await connected_pair(l));
+    std::vector<std::vector<std::uint8_t>> src(kStreams, std::vector<std::uint8_t>(kBytes));
+    for (int i = 0; i < kStreams; ++i)
+      for (std::size_t j = 0; j < kBytes; ++j) src[i][j] = static_cast<std::uint8_t>(j * 31 + i);
+    std::vector<std::size_t> received(kStreams, 0);
+    int mismatched = 0, failed = 0;
+    auto writer = [&](int i) -> task<void> {
+      REQUIRE((co_await pairs[i].client.write_all(std::as_bytes(std::span(src[i])))).has_value());
+      REQUIRE(pairs[i].client.shutdown(SHUT_WR).has_value());
+    };
+    auto reader = [&](int i) -> task<void> {
+      receive_stream rx(pairs[i].server, ring);
+      for (;;) {
+        auto b = co_await with_timeout(as_task(rx.next()), 30s);
+        if (!b) {
+          ++failed;
+          break;
+        }
+        if (b->empty()) break;
+        for (auto x : b->data()) {
+          if (received[i] >= kBytes || std::to_integer<std::uint8_t>(x) != src[i][received[i]]) ++mismatched;
+          ++received[i];
+        }
+        (void)co_await sleep_for(200us);  // hold the buffer a while: the ring runs dry
+      }
+    };
+    async_scope scope;
+    for (int i = 0; i < kStreams; ++i) {
+      scope.spawn(writer(i));
+      scope.spawn(reader(i));
+    }
+    co_await scope.join();
+    CHECK(failed == 0);
+    CHECK(mismatched == 0);
+    for (int i = 0; i < kStreams; ++i) CHECK(received[i] == kBytes);
+  }());
+}
