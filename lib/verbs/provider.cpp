@@ -44,6 +44,8 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
 
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
@@ -53,16 +55,29 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <condition_variable>
 #include <map>
+#include <mutex>
+#include <thread>
+#include <optional>
 #include <vector>
 
 namespace shuttle::detail {
 namespace {
 
 
-constexpr std::uint32_t ctrl_reserve = 4;            // extra receives (and send slots) for credit messages
+constexpr std::uint32_t ctrl_reserve = 2;            // extra receives (and send slots) for credit messages
 constexpr std::uint32_t ctrl_flag = 0x80000000u;     // imm of a control message
-constexpr std::uint32_t wire_magic = 0x53485631u;    // "SHV1"
+constexpr std::uint32_t wire_magic = 0x53485632u;    // "SHV2"
+constexpr std::uint32_t reject_magic = 0x53485252u;  // "SHRR": a reject's private data (reject_reason)
+// A connection posts this many user receives at first (the peer's initial
+// credits) and doubles them as messages arrive, up to receive_buffers: a
+// peer that connects and sends nothing holds a few buffers, not the pool.
+constexpr std::uint32_t initial_receives = 1;
+// RNR retries of this side's QPs (and what it asks of the peer's): credits
+// keep receives posted ahead of sends, so an RNR NAK means a peer that does
+// not post what it announced; 7 would retry forever.
+constexpr std::uint8_t rnr_retries = 3;
 constexpr std::size_t implicit_cache_max = 256;
 constexpr unsigned ack_batch = 64;
 
@@ -178,11 +193,23 @@ cm_evt copy_event(const rdma_cm_event* e) {
   return c;
 }
 
-// What each side tells the other in the CM private data.
+// What each side tells the other in the CM private data (network order).
 struct wire_hello {
   std::uint32_t magic;
-  std::uint32_t recv_slots;   // user receive buffers posted (initial credits)
-  std::uint32_t buffer_size;  // largest message accepted
+  std::uint32_t max_slots;      // user receives it may ever have posted: the cap on credits outstanding
+  std::uint32_t initial_slots;  // user receives posted now (the initial credits), 1..max_slots
+  std::uint32_t buffer_size;    // largest message accepted, >= 1
+};
+
+// Why a listener rejected a request: the reject's private data is
+// {reject_magic, reason} in network order.
+enum class reject_reason : std::uint32_t {
+  too_many_handshakes = 1,  // listener_options::max_handshakes
+  backlog_full = 2,         // listener_options::accept_backlog
+  too_many_connections = 3, // listener_options::max_connections
+  bad_hello = 4,            // the request's private data is not a hello this side can honour
+  no_resources = 5,         // QP, CQ entries or receive buffers could not be had
+  handshake_timeout = 6,    // listener_options::handshake_timeout
 };
 
 std::error_code cm_error(const cm_evt& e) {
@@ -198,6 +225,39 @@ std::error_code cm_error(const cm_evt& e) {
 
 struct conn_state;
 struct core;
+
+// rdma_destroy_id of a handshake this side rejected or dropped waits in the
+// kernel until the CM's last message for it (a REJ, a REP it retries) is
+// done with: up to seconds. On the loop that would stall every connection
+// (a hostile peer could keep it stalled), so such ids, and then their event
+// channels, are destroyed by one thread of the process, in order.
+void destroy_cm_id_later(rdma_cm_id* id, rdma_event_channel* ch) {
+  struct reaper {
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::pair<rdma_cm_id*, rdma_event_channel*>> q;
+  };
+  static reaper* r = [] {
+    auto* p = new reaper;  // never freed: the thread may outlive every static
+    std::thread([p] {
+      for (;;) {
+        std::unique_lock lk(p->m);
+        p->cv.wait(lk, [p] { return !p->q.empty(); });
+        auto [i, c] = p->q.front();
+        p->q.pop_front();
+        lk.unlock();
+        if (i) rdma_destroy_id(i);
+        if (c) rdma_destroy_event_channel(c);
+      }
+    }).detach();
+    return p;
+  }();
+  {
+    std::lock_guard lk(r->m);
+    r->q.emplace_back(id, ch);
+  }
+  r->cv.notify_one();
+}
 
 // ------------------------------------------------------------------ receive pool
 
@@ -271,6 +331,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   int cq_size = 0;
   int cq_reserved = 0;
   ibv_device_attr dattr{};
+  std::uint32_t max_msg = 0;  // the port's max_msg_sz: the largest buffer size a peer may announce
   std::uint8_t port = 1;
   int gid_index = -1;
   std::string name, gid_text;
@@ -423,6 +484,19 @@ struct core final : poller, std::enable_shared_from_this<core> {
   void exit_interrupt_mode() override {}
   void reap_graveyard();
   void on_unsignaled_error(const ibv_wc& wc) noexcept;
+
+  // Reserves `n` entries of the shared CQ for one connection, growing the CQ
+  // if it can; false when they do not fit (that connection is refused or
+  // stops growing, the others keep theirs).
+  bool reserve_cq(int n) noexcept {
+    if (cq_reserved + n > cq_size) {
+      int want = std::min(dattr.max_cqe, std::max(cq_size * 2, cq_reserved + n));
+      if (want < cq_reserved + n || ibv_resize_cq(cq, want) != 0) return false;
+      cq_size = cq->cqe;
+    }
+    cq_reserved += n;
+    return true;
+  }
 
   result<void> srq_join(std::uint32_t grant, std::size_t slot_size);
   void srq_leave(std::uint32_t grant) noexcept { srq_granted -= grant; }
@@ -659,7 +733,18 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   ibv_sge inline_sge{};
 
   std::uint32_t peer_slots = 0, peer_buffer = 0, max_inline = 0;
+  std::uint32_t peer_max_slots = 0;  // the peer's announced cap: credits held never exceed it
   std::uint32_t to_return = 0, ctrl_inflight = 0;
+  // Own receive queue: user receives posted so far (the rest of the pool
+  // comes as messages arrive, grow_receives); grow_pending: one is due.
+  std::uint32_t user_slots = 0;
+  bool grow_pending = false, grow_stopped = false;
+  bool own_qp = false;        // created here (passive side), not by rdma_create_qp: its transitions are ours
+  std::uint64_t rx_count = 0;  // receive completions: the listener's idle check
+  std::error_code fail_reason;  // why it failed, when the connection's own fault (recv returns it)
+  // A handshake the listener refused or dropped: its id is destroyed off the
+  // loop (destroy_cm_id_later).
+  bool destroy_id_elsewhere = false;
   std::vector<recv_slot*> released;  // own receive queue: buffers to post again (core::flush_reposts)
   bool in_repost_list = false;
   struct ctrl_ctx : wr_ctx {
@@ -740,23 +825,23 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     co_return e;
   }
 
-  result<void> create_qp() {
+  // `passive`: the QP is created with ibv_create_qp and moved to INIT here,
+  // to RTR and RTS by ready_passive_qp, so that its RNR retry count is this
+  // side's (rdma_accept would take the one the peer asked for, maybe 7:
+  // retry forever).
+  result<void> create_qp(bool passive = false) {
     if (id->verbs != dom->ctx) return make_error_code(errc::not_supported);  // another device
-    std::uint32_t n = opts.receive_buffers + ctrl_reserve;
+    const std::uint32_t n = opts.receive_buffers + ctrl_reserve;  // the QP's receive queue
     if (opts.shared_receive_queue) {
       if (auto r = dom->srq_join(n, opts.receive_buffer_size); !r) return r;
       srq_grant = n;
     }
-    cq_reserve = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + n);
-    if (dom->cq_reserved + cq_reserve > dom->cq_size) {
-      int want = std::min(dom->dattr.max_cqe, std::max(dom->cq_size * 2, dom->cq_reserved + cq_reserve));
-      if (want < dom->cq_reserved + cq_reserve || ibv_resize_cq(dom->cq, want) != 0) {
-        cq_reserve = 0;
-        return make_error_code(std::errc::no_buffer_space);
-      }
-      dom->cq_size = dom->cq->cqe;
-    }
-    dom->cq_reserved += cq_reserve;
+    // Own receive queue: only the first few receives now (grow_receives).
+    user_slots = srq_grant ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
+    const std::uint32_t posted_now = srq_grant ? n : user_slots + ctrl_reserve;
+    const int want_cq = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + posted_now);
+    if (!dom->reserve_cq(want_cq)) return make_error_code(std::errc::no_buffer_space);
+    cq_reserve = want_cq;
 
     ibv_qp_init_attr a{};
     a.send_cq = dom->cq;
@@ -769,12 +854,26 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     a.srq = srq_grant ? dom->srq : nullptr;
     a.cap.max_inline_data = opts.max_inline_data;
     a.sq_sig_all = 0;
-    if (rdma_create_qp(id, dom->pd, &a) != 0) {
-      // Some devices cap inline data: retry without it.
-      a.cap.max_inline_data = 0;
-      if (rdma_create_qp(id, dom->pd, &a) != 0) return last_errno();
+    if (passive) {
+      qp = ibv_create_qp(dom->pd, &a);
+      if (!qp) {  // some devices cap inline data: retry without it
+        a.cap.max_inline_data = 0;
+        qp = ibv_create_qp(dom->pd, &a);
+      }
+      if (!qp) return last_errno();
+      own_qp = true;
+      ibv_qp_attr qa{};
+      int mask = 0;
+      qa.qp_state = IBV_QPS_INIT;
+      if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
+      if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
+    } else {
+      if (rdma_create_qp(id, dom->pd, &a) != 0) {
+        a.cap.max_inline_data = 0;
+        if (rdma_create_qp(id, dom->pd, &a) != 0) return last_errno();
+      }
+      qp = id->qp;
     }
-    qp = id->qp;
     qp_num = qp->qp_num;
     refresh_usable();
     max_inline = std::min(a.cap.max_inline_data, opts.max_inline_data);
@@ -790,8 +889,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       pool->pd = dom->pdh;
       pool->conn = this;
       pool->slot_size = opts.receive_buffer_size;
-      if (auto r = pool->grow(n, &on_recv_wc); !r) return r.error();
-      for (std::uint32_t i = 0; i < n; ++i)
+      if (auto r = pool->grow(posted_now, &on_recv_wc); !r) return r.error();
+      for (std::uint32_t i = 0; i < posted_now; ++i)
         if (auto r = post_recv(pool->slots[i]); !r) return r;
     }
     // Results of atomics.
@@ -802,6 +901,65 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (!scratch_mr) return last_errno();
     for (std::uint32_t i = opts.send_queue_depth; i > 0; --i) scratch_free.push_back(i - 1);
     return {};
+  }
+
+  // The passive QP to RTR and RTS, as rdma_accept would (its attributes
+  // from the CM), but with this side's RNR retry count.
+  result<void> ready_passive_qp(const rdma_conn_param& p) {
+    ibv_qp_attr qa{};
+    int mask = 0;
+    qa.qp_state = IBV_QPS_RTR;
+    if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
+    qa.max_dest_rd_atomic = p.responder_resources;
+    if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
+    qa = {};
+    mask = 0;
+    qa.qp_state = IBV_QPS_RTS;
+    if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
+    qa.max_rd_atomic = p.initiator_depth;
+    qa.rnr_retry = std::min<std::uint8_t>(qa.rnr_retry, rnr_retries);
+    if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
+    return {};
+  }
+
+  // Own receive queue: the user receives double (up to receive_buffers)
+  // once the peer uses them; each new one is a credit for it. Growth stops
+  // where memory or the shared CQ runs out (the connection keeps working
+  // with what it has).
+  void grow_receives() noexcept {
+    const std::uint32_t add = std::min(user_slots, opts.receive_buffers - user_slots);
+    if (add == 0 || grow_stopped || !usable()) return;
+    if (!dom->reserve_cq(static_cast<int>(add))) {
+      grow_stopped = true;
+      return;
+    }
+    cq_reserve += static_cast<int>(add);
+    auto first = pool->grow(add, &on_recv_wc);
+    if (!first) {
+      grow_stopped = true;
+      return;
+    }
+    for (std::size_t i = *first; i < pool->slots.size(); ++i) {
+      if (!post_recv(pool->slots[i])) {
+        grow_stopped = true;
+        break;
+      }
+      ++user_slots;
+      ++to_return;
+    }
+  }
+
+  // Credits the peer returns: never more outstanding than it announced it
+  // could have posted; past that it broke the protocol (false: failed).
+  bool take_credits(std::uint32_t n) noexcept {
+    if (error) return true;  // failed already: every waiter was woken
+    if (credits.available() + n > peer_max_slots) {
+      ++dom->st.protocol_errors;
+      fail_with(make_error_code(errc::protocol_error));
+      return false;
+    }
+    credits.release(n);
+    return true;
   }
 
   // Puts a receive buffer back: on the QP's own receive queue or the SRQ.
@@ -819,7 +977,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   rdma_conn_param conn_param(wire_hello& hello, const cm_evt* req) const {
     hello.magic = htonl(wire_magic);
-    hello.recv_slots = htonl(opts.receive_buffers);
+    hello.max_slots = htonl(opts.receive_buffers);
+    hello.initial_slots = htonl(user_slots);
     hello.buffer_size = htonl(static_cast<std::uint32_t>(std::min<std::size_t>(opts.receive_buffer_size, UINT32_MAX)));
     rdma_conn_param p{};
     p.private_data = &hello;
@@ -832,24 +991,40 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       p.initiator_depth = std::min(rd, req->responder_resources);
     }
     p.retry_count = 7;
-    p.rnr_retry_count = 7;  // backstop only: credits keep receives posted ahead of sends
+    p.rnr_retry_count = rnr_retries;  // the peer's QP: what it may retry on this side's RNR NAKs
     return p;
   }
 
+  // The peer's hello, checked against what this side can honour: credits
+  // (its receives) at most what a QP of this device can have posted, the
+  // initial ones within its cap, a buffer size in [1, the port's max
+  // message size].
   bool take_hello(const cm_evt& e) {
     if (e.priv_len < sizeof(wire_hello)) return false;
     wire_hello h;
     std::memcpy(&h, e.priv.data(), sizeof h);
     if (ntohl(h.magic) != wire_magic) return false;
-    peer_slots = ntohl(h.recv_slots);
-    peer_buffer = ntohl(h.buffer_size);
-    return peer_slots > 0;
+    const std::uint32_t max_slots = ntohl(h.max_slots), initial = ntohl(h.initial_slots);
+    const std::uint32_t buffer = ntohl(h.buffer_size);
+    const auto device_cap = static_cast<std::uint32_t>(std::max({dom->dattr.max_qp_wr, dom->dattr.max_srq_wr, 1}));
+    if (max_slots == 0 || max_slots > device_cap || initial == 0 || initial > max_slots) return false;
+    if (buffer == 0 || buffer > dom->max_msg) return false;
+    peer_max_slots = max_slots;
+    peer_slots = initial;
+    peer_buffer = buffer;
+    return true;
   }
 
   void on_established() {
     established = true;
     refresh_usable();
     credits.release(peer_slots);
+  }
+
+  // fail, remembering why (recv() returns it): the connection's own fault.
+  void fail_with(std::error_code ec) {
+    if (!fail_reason) fail_reason = ec;
+    fail(ec);
   }
 
   // Terminal: pending and later operations fail; the QP is flushed.
@@ -903,13 +1078,20 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (qp) {
       auto it = dom->qp_conns.find(qp_num);
       if (it != dom->qp_conns.end() && it->second == this) dom->qp_conns.erase(it);
-      rdma_destroy_qp(id);
+      if (own_qp)
+        ibv_destroy_qp(qp);
+      else
+        rdma_destroy_qp(id);
     }
     qp = nullptr;
     refresh_usable();
-    if (id) rdma_destroy_id(id);
+    if (destroy_id_elsewhere && id) {
+      destroy_cm_id_later(std::exchange(id, nullptr), std::exchange(ech, nullptr));
+    } else {
+      if (id) rdma_destroy_id(id);
+      if (ech) rdma_destroy_event_channel(ech);
+    }
     id = nullptr;
-    if (ech) rdma_destroy_event_channel(ech);
     ech = nullptr;
     if (srq_grant) {
       // Messages never taken by recv() hold SRQ buffers: back to the SRQ.
@@ -936,7 +1118,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   // Credits: freed receive buffers go back to the peer.
   void maybe_send_credits() {
-    std::uint32_t threshold = std::max<std::uint32_t>(1, opts.receive_buffers / 4);
+    std::uint32_t threshold = std::max<std::uint32_t>(1, user_slots / 4);
     while (usable() && to_return >= threshold && ctrl_inflight < ctrl_reserve) {
       std::uint32_t n = std::min<std::uint32_t>(to_return, 0xffff);
       ibv_send_wr wr{};
@@ -1039,12 +1221,23 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         return;
       }
     }
+    ++c->rx_count;
     if (wc.opcode == IBV_WC_RECV && (wc.wc_flags & IBV_WC_WITH_IMM)) {
       std::uint32_t imm = ntohl(wc.imm_data);
-      if (imm & 0xffff) c->credits.release(imm & 0xffff);
+      if ((imm & 0xffff) && !c->take_credits(imm & 0xffff)) {
+        if (core* k = s->pool->srq_core) (void)k->post_srq(*s);
+        return;
+      }
       if (imm & ctrl_flag) {  // control message: its receive goes straight back
         if (c->usable() || s->pool->srq_core) (void)c->repost(*s);
         return;
+      }
+    }
+    if (c->user_slots < c->opts.receive_buffers && !c->grow_pending && !c->grow_stopped && !s->pool->srq_core) {
+      c->grow_pending = true;  // the peer uses its credits: more receives at the next poll (post_released)
+      if (!c->in_repost_list) {
+        c->in_repost_list = true;
+        c->dom->repost_conns.push_back(c);
       }
     }
     rx_item it{s, 0, std::nullopt};
@@ -1091,6 +1284,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (e != 0) break;  // as a failed single post: that buffer is not posted, its credit not returned
     }
     released.clear();
+    if (std::exchange(grow_pending, false)) grow_receives();
     maybe_send_credits();
   }
   // SRQ: the buffer went back to the SRQ; the credit goes to this connection.
@@ -1909,7 +2103,7 @@ class verbs_connection final : public connection_impl {
         s->rx.pop_front();
         return conn_state::take_message(it);
       }
-      return disconnected();
+      return s->fail_reason ? s->fail_reason : disconnected();
     }
   };
 
@@ -1993,6 +2187,11 @@ task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint ep) {
   co_return result<void>{};
 }
 
+// Connection requests are handled as listener_options says: a request past
+// a cap is rejected at once, with a reject_reason in its private data; an
+// accepted handshake has until its deadline to reach ESTABLISHED; accepted
+// connections on which nothing arrives for idle_timeout fail with
+// errc::idle_timeout. A timerfd on the loop drives the deadlines.
 class verbs_listener final : public listener_impl {
  public:
   verbs_listener(std::shared_ptr<core> d, connection_options o, listener_options lim)
@@ -2004,9 +2203,13 @@ class verbs_listener final : public listener_impl {
     if (!ech_ || !set_nonblock(ech_->fd)) return last_errno();
     if (rdma_create_id(ech_, &id_, this, RDMA_PS_TCP) != 0) return last_errno();
     if (rdma_bind_addr(id_, const_cast<sockaddr*>(ep.data())) != 0) return last_errno();
-    if (rdma_listen(id_, 128) != 0) return last_errno();
+    // The kernel's backlog: requests the listener has not read yet. Large,
+    // so that every request is read at once and answered (accepted or
+    // rejected with a reason) rather than left to the peer's CM retries.
+    if (rdma_listen(id_, 1024) != 0) return last_errno();
     watch_ = new fd_watch(ech_->fd, &on_cm, this);
     watch_->arm(*dom_->loop);
+    if (auto r = start_ticks(); !r) return r;
     return {};
   }
 
@@ -2018,6 +2221,8 @@ class verbs_listener final : public listener_impl {
     }
     auto st = std::move(ready_.front());
     ready_.pop_front();
+    if (limits_.max_connections != 0 || limits_.idle_timeout.count() > 0)
+      accepted_.push_back({st, st->rx_count, clock::now()});
     co_return connection(std::make_unique<verbs_connection>(std::move(st)));
   }
 
@@ -2031,13 +2236,16 @@ class verbs_listener final : public listener_impl {
     if (closed_) return;
     closed_ = true;
     if (watch_) std::exchange(watch_, nullptr)->destroy();
-    for (auto& st : pending_) {
-      st->acceptor = nullptr;
-      st->shutdown();
+    if (tick_) std::exchange(tick_, nullptr)->destroy();
+    if (tfd_ >= 0) ::close(std::exchange(tfd_, -1));
+    for (auto& h : pending_) {
+      h.st->acceptor = nullptr;
+      h.st->shutdown();
     }
     pending_.clear();
     for (auto& st : ready_) st->shutdown();
     ready_.clear();
+    accepted_.clear();
     if (id_) rdma_destroy_id(std::exchange(id_, nullptr));
     if (ech_) rdma_destroy_event_channel(std::exchange(ech_, nullptr));
     ev_.set();
@@ -2055,53 +2263,156 @@ class verbs_listener final : public listener_impl {
     self->watch_->arm(*self->dom_->loop);
   }
 
-  std::shared_ptr<core> dom_;
-  connection_options opts_;
-  [[maybe_unused]] listener_options limits_;
-  rdma_event_channel* ech_ = nullptr;
-  rdma_cm_id* id_ = nullptr;
-  fd_watch* watch_ = nullptr;
-  // Handshakes run concurrently, driven by CM events: a request is accepted
-  // at once; the connection is ready when ESTABLISHED arrives.
+  static void reject(rdma_cm_id* id, reject_reason why) noexcept {
+    const std::uint32_t data[2] = {htonl(reject_magic), htonl(static_cast<std::uint32_t>(why))};
+    rdma_reject(id, data, sizeof data);
+  }
+
+  // Connections of this listener holding resources: handshakes, the
+  // backlog, and accepted ones not dropped yet.
+  std::size_t live_connections() noexcept {
+    std::erase_if(accepted_, [](const accepted_conn& a) {
+      auto sp = a.st.lock();
+      return !sp || sp->dying;
+    });
+    return pending_.size() + ready_.size() + accepted_.size();
+  }
+
   void on_request(const cm_evt& req) noexcept {
+    std::optional<reject_reason> refuse;
+    if (pending_.size() >= limits_.max_handshakes)
+      refuse = reject_reason::too_many_handshakes;
+    else if (ready_.size() >= limits_.accept_backlog)
+      refuse = reject_reason::backlog_full;
+    else if (limits_.max_connections != 0 && live_connections() >= limits_.max_connections)
+      refuse = reject_reason::too_many_connections;
     auto st = std::make_shared<conn_state>(dom_, opts_);
-    bool ok = false;
-    if (st->init_channel() && rdma_migrate_id(req.id, st->ech) == 0) {
-      st->id = req.id;
-      req.id->context = st.get();
-      ok = st->take_hello(req) && st->create_qp();
-      wire_hello hello;
-      rdma_conn_param p = st->conn_param(hello, &req);
-      if (ok && rdma_accept(st->id, &p) != 0) ok = false;
-      if (!ok) rdma_reject(st->id, nullptr, 0);
-    } else {
-      rdma_reject(req.id, nullptr, 0);
+    if (!st->init_channel() || rdma_migrate_id(req.id, st->ech) != 0) {
+      ++dom_->st.handshakes_refused;
+      reject(req.id, reject_reason::no_resources);
       rdma_destroy_id(req.id);
+      st->shutdown();
+      return;
     }
-    if (!ok) {
+    // The request's id moves to a channel of its own before it is rejected
+    // or destroyed: on the listener's channel that stops the listener.
+    st->id = req.id;
+    req.id->context = st.get();
+    // The hello is checked before anything is allocated for the peer.
+    if (!refuse && !st->take_hello(req)) refuse = reject_reason::bad_hello;
+    wire_hello hello;
+    if (!refuse) {
+      bool ok = static_cast<bool>(st->create_qp(true));
+      rdma_conn_param p = st->conn_param(hello, &req);
+      ok = ok && static_cast<bool>(st->ready_passive_qp(p));
+      p.qp_num = st->qp_num;
+      p.srq = st->srq_grant ? 1 : 0;
+      if (ok && rdma_accept(st->id, &p) != 0) ok = false;
+      if (!ok) refuse = reject_reason::no_resources;
+    }
+    if (refuse) {
+      ++dom_->st.handshakes_refused;
+      reject(st->id, *refuse);
+      st->destroy_id_elsewhere = true;
       st->shutdown();
       return;
     }
     st->acceptor = this;
     st->on_accept_done = &accept_done;
-    pending_.push_back(std::move(st));
+    pending_.push_back({std::move(st), clock::now() + limits_.handshake_timeout});
   }
+
   static void accept_done(void* arg, conn_state* st, bool ok) noexcept {
     auto* self = static_cast<verbs_listener*>(arg);
-    auto it = std::find_if(self->pending_.begin(), self->pending_.end(), [&](auto& p) { return p.get() == st; });
+    auto it = std::find_if(self->pending_.begin(), self->pending_.end(), [&](auto& h) { return h.st.get() == st; });
     if (it == self->pending_.end()) return;
-    auto sp = std::move(*it);
+    auto sp = std::move(it->st);
     self->pending_.erase(it);
-    if (ok) {
+    if (ok && self->ready_.size() < self->limits_.accept_backlog) {
       self->ready_.push_back(std::move(sp));
       self->ev_.set();
     } else {
+      if (ok) ++self->dom_->st.handshakes_refused;  // the backlog filled up meanwhile
       sp->shutdown();
     }
   }
 
-  std::vector<std::shared_ptr<conn_state>> pending_;
+  // The deadlines are looked at a few times per the shortest of them.
+  result<void> start_ticks() {
+    auto period = limits_.handshake_timeout;
+    if (limits_.idle_timeout.count() > 0) period = std::min(period, limits_.idle_timeout);
+    period = std::clamp(period / 4, std::chrono::milliseconds(20), std::chrono::milliseconds(1000));
+    tfd_ = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (tfd_ < 0) return last_errno();
+    itimerspec its{};
+    its.it_interval.tv_sec = period.count() / 1000;
+    its.it_interval.tv_nsec = (period.count() % 1000) * 1000000;
+    its.it_value = its.it_interval;
+    if (timerfd_settime(tfd_, 0, &its, nullptr) != 0) return last_errno();
+    tick_ = new fd_watch(tfd_, &on_tick, this);
+    tick_->arm(*dom_->loop);
+    return {};
+  }
+
+  static void on_tick(void* arg) noexcept {
+    auto* self = static_cast<verbs_listener*>(arg);
+    std::uint64_t expirations;
+    while (::read(self->tfd_, &expirations, sizeof expirations) > 0) {
+    }
+    self->check_deadlines(clock::now());
+    self->tick_->arm(*self->dom_->loop);
+  }
+
+  void check_deadlines(clock::time_point now) noexcept {
+    // Handshakes past their deadline: dropped (the peer sees a reject).
+    for (std::size_t i = 0; i < pending_.size();) {
+      if (now < pending_[i].deadline) {
+        ++i;
+        continue;
+      }
+      auto st = std::move(pending_[i].st);
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      ++dom_->st.handshakes_timed_out;
+      st->acceptor = nullptr;
+      if (st->id) reject(st->id, reject_reason::handshake_timeout);
+      st->destroy_id_elsewhere = true;
+      st->shutdown();
+    }
+    if (limits_.idle_timeout.count() <= 0) return;
+    for (auto& a : accepted_) {
+      auto st = a.st.lock();
+      if (!st || st->error || st->dying) continue;
+      if (st->rx_count != a.rx_seen) {
+        a.rx_seen = st->rx_count;
+        a.since = now;
+      } else if (now - a.since >= limits_.idle_timeout) {
+        ++dom_->st.idle_timeouts;
+        st->fail_with(make_error_code(errc::idle_timeout));
+      }
+    }
+  }
+
+  struct handshake {
+    std::shared_ptr<conn_state> st;
+    clock::time_point deadline;
+  };
+  struct accepted_conn {
+    std::weak_ptr<conn_state> st;
+    std::uint64_t rx_seen = 0;  // the connection's rx_count when last looked at
+    clock::time_point since;    // when it last changed
+  };
+
+  std::shared_ptr<core> dom_;
+  connection_options opts_;
+  listener_options limits_;
+  rdma_event_channel* ech_ = nullptr;
+  rdma_cm_id* id_ = nullptr;
+  fd_watch* watch_ = nullptr;
+  int tfd_ = -1;
+  fd_watch* tick_ = nullptr;
+  std::vector<handshake> pending_;
   std::deque<std::shared_ptr<conn_state>> ready_;
+  std::vector<accepted_conn> accepted_;
   event ev_;
   bool closed_ = false;
 };
@@ -2168,6 +2479,7 @@ result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opt
       ibv_port_attr pa{};
       if (ibv_query_port(ctx, static_cast<std::uint8_t>(p), &pa) == 0 && pa.state == IBV_PORT_ACTIVE) {
         c->ctx = ctx;
+        c->max_msg = pa.max_msg_sz;
         c->dattr = a;
         c->port = static_cast<std::uint8_t>(p);
         c->name = ibv_get_device_name(ctx->device);

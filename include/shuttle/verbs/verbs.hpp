@@ -75,6 +75,14 @@ struct domain_stats {
   std::uint64_t registrations = 0;   // ibv_reg_mr calls
   std::uint64_t cache_hits = 0;      // operations served by the registration cache
   std::size_t live_connections = 0;  // QPs not destroyed yet (incl. draining)
+  // Listeners of the domain (listener_options): requests refused at once (a
+  // cap, a bad hello, no resources), handshakes dropped at their deadline,
+  // connections ended by idle_timeout, and peers that broke the protocol
+  // (credits past what they announced).
+  std::uint64_t handshakes_refused = 0;
+  std::uint64_t handshakes_timed_out = 0;
+  std::uint64_t idle_timeouts = 0;
+  std::uint64_t protocol_errors = 0;
 };
 result<domain_stats> stats(const domain& d);
 
