@@ -374,6 +374,16 @@ void print_poll_stats(const domain& d, const char* who) {
   std::fflush(stdout);
 }
 
+// What the listener refused or dropped (hostile or broken peers), when any.
+void print_listener_stats(const domain& d) {
+  auto st = verbs::stats(d);
+  if (!st || (st->handshakes_refused | st->handshakes_timed_out | st->idle_timeouts | st->protocol_errors) == 0) return;
+  std::printf("# server: %" PRIu64 " connect requests refused, %" PRIu64 " handshakes timed out, %" PRIu64
+              " idle timeouts, %" PRIu64 " protocol errors\n",
+              st->handshakes_refused, st->handshakes_timed_out, st->idle_timeouts, st->protocol_errors);
+  std::fflush(stdout);
+}
+
 double us(clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
 // ---------------------------------------------------------------- server
@@ -485,6 +495,7 @@ task<int> server_main(const options& o) {
     try {
       co_await serve_one(std::move(c), d);
       print_poll_stats(d, "server");
+      print_listener_stats(d);
     } catch (const std::exception& e) {
       if (!o.loop) throw;
       std::fprintf(stderr, "shuttle-perf: session failed: %s\n", e.what());

@@ -226,9 +226,9 @@ std::error_code cm_error(const cm_evt& e) {
 struct conn_state;
 struct core;
 
-// rdma_destroy_id of a handshake this side rejected or dropped waits in the
-// kernel until the CM's last message for it (a REJ, a REP it retries) is
-// done with: up to seconds. On the loop that would stall every connection
+// rdma_destroy_id of a handshake this side dropped after its REP was sent
+// waits in the kernel until the CM is done with it: seconds (seen in the
+// guest). On the loop that would stall every connection
 // (a hostile peer could keep it stalled), so such ids, and then their event
 // channels, are destroyed by one thread of the process, in order.
 void destroy_cm_id_later(rdma_cm_id* id, rdma_event_channel* ch) {
@@ -742,8 +742,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   bool own_qp = false;        // created here (passive side), not by rdma_create_qp: its transitions are ours
   std::uint64_t rx_count = 0;  // receive completions: the listener's idle check
   std::error_code fail_reason;  // why it failed, when the connection's own fault (recv returns it)
-  // A handshake the listener refused or dropped: its id is destroyed off the
-  // loop (destroy_cm_id_later).
+  // A handshake the listener dropped at its deadline (its REP sent): its id
+  // is destroyed off the loop (destroy_cm_id_later).
   bool destroy_id_elsewhere = false;
   std::vector<recv_slot*> released;  // own receive queue: buffers to post again (core::flush_reposts)
   bool in_repost_list = false;
@@ -2313,7 +2313,6 @@ class verbs_listener final : public listener_impl {
     if (refuse) {
       ++dom_->st.handshakes_refused;
       reject(st->id, *refuse);
-      st->destroy_id_elsewhere = true;
       st->shutdown();
       return;
     }
