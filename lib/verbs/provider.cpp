@@ -71,9 +71,12 @@ constexpr std::uint32_t ctrl_flag = 0x80000000u;     // imm of a control message
 constexpr std::uint32_t wire_magic = 0x53485632u;    // "SHV2"
 constexpr std::uint32_t reject_magic = 0x53485252u;  // "SHRR": a reject's private data (reject_reason)
 // A connection posts this many user receives at first (the peer's initial
-// credits) and doubles them as messages arrive, up to receive_buffers: a
-// peer that connects and sends nothing holds a few buffers, not the pool.
-constexpr std::uint32_t initial_receives = 1;
+// credits) and doubles them as messages arrive, up to receive_buffers.
+// The whole pool for now: with fewer, credit-starved operations can post
+// out of order (a waiter woken for a credit runs after a new operation that
+// takes a credit released with it: transfer-rdma saw chunk 8 before 5), so
+// the small start waits for FIFO credit hand-over in execute().
+constexpr std::uint32_t initial_receives = 0xffffffffu;
 // RNR retries of this side's QPs (and what it asks of the peer's): credits
 // keep receives posted ahead of sends, so an RNR NAK means a peer that does
 // not post what it announced; 7 would retry forever.
