@@ -27,9 +27,10 @@
 // latency p50/p99/p99.9 in microseconds and the error counts; with --json a
 // last line holds the same as one JSON object, for benchmark scripts.
 //
-// Exit status: 0 if every connection was made and every reply matched, 1 if
-// anything failed (connection failures, I/O errors, mismatched echoes), 2 for
-// bad usage (also: S larger than the connection's maximum message).
+// Exit status: 0 if every connection was made, every reply matched and at
+// least one request completed, 1 if anything failed (connection failures,
+// I/O errors, mismatched echoes, no request at all), 2 for bad usage (also:
+// S larger than the connection's maximum message).
 
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
@@ -654,6 +655,12 @@ int run_client(const options& o) {
         cli::to_string(o.transport), cpu_s);
   }
   std::fflush(stdout);
+  if (requests == 0) {
+    // A load test that measured nothing did not succeed, whatever the
+    // reason (a server that accepts and closes, one that never answers).
+    std::fprintf(stderr, "%s: no request completed\n", kProg);
+    return 1;
+  }
   return errors ? 1 : 0;
 }
 

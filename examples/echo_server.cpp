@@ -3,6 +3,8 @@
 //
 //   shuttle-echo-server --port P [--threads N] [--transport tcp|rdma|tcp-provider]
 //                       [--bind ADDR] [--max-message BYTES]
+//                       [--max-handshakes N] [--handshake-timeout MS]
+//                       [--max-connections N] [--idle-timeout MS]
 //
 // --transport tcp (the default): plain TCP sockets. N runtime threads, each
 // with its own io_context and its own listener bound with SO_REUSEPORT to the
@@ -18,7 +20,9 @@
 // Every connection is one coroutine that echoes each received message with a
 // send. Messages up to --max-message bytes (default 65536: the size of the
 // server's receive buffers, and so the clients' max_message_size()); 4 to 16
-// of them per connection (1 MiB, at least 4).
+// of them per connection (1 MiB, at least 4). The listener's limits on
+// peers (listener_options: handshakes in progress and their deadline, a
+// connection cap, an idle timeout) come from the flags of the same names.
 //
 // --port 0 binds an ephemeral port (thread 0 binds first, the others join it);
 // the listening line prints the real one:
@@ -31,14 +35,20 @@
 // closes its listener, cancels its connections (scope.request_stop()), joins
 // them, and the process prints a one-line summary and exits 0.
 //
-// Out of file descriptors (EMFILE/ENFILE/ENOBUFS/ENOMEM on accept): log at
-// most once per second, back off 10-100 ms, retry. Pending connections wait
+// Out of file descriptors (EMFILE/ENFILE/ENOBUFS/ENOMEM on accept): log,
+// back off 10-100 ms, retry. Pending connections wait
 // in the kernel's backlog meanwhile and are served once descriptors free up.
+// Over the transport API, a connection that ends by anything but a clean
+// close (a protocol error, a NAK, an idle timeout) and a handshake that
+// fails are logged with the peer and the error. Every error line goes
+// through one rate-limited log (tool_support.hpp): a few lines a second,
+// then a count of those held back.
 
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
 #include "cli.hpp"
+#include "tool_support.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -85,28 +95,11 @@ struct alignas(64) thread_stats {
 
 // ---------------------------------------------------------------- logging
 
-// At most one error line per second across all threads; the lines that were
-// held back are counted in the next one.
-std::atomic<std::int64_t> g_last_log_ns{INT64_MIN / 2};
-std::atomic<std::uint64_t> g_suppressed{0};
+// Error lines from every thread: a few a second at most, the rest counted
+// (a hostile peer must not flood the log).
+tools::throttled_log g_log{kProg};
 
-void log_throttled(const std::string& line) {
-  auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                 std::chrono::steady_clock::now().time_since_epoch())
-                 .count();
-  auto last = g_last_log_ns.load(std::memory_order_relaxed);
-  if (now - last < 1'000'000'000 ||
-      !g_last_log_ns.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
-    g_suppressed.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
-  auto suppressed = g_suppressed.exchange(0, std::memory_order_relaxed);
-  if (suppressed)
-    std::fprintf(stderr, "%s: %s (%llu similar messages suppressed)\n", kProg, line.c_str(),
-                 static_cast<unsigned long long>(suppressed));
-  else
-    std::fprintf(stderr, "%s: %s\n", kProg, line.c_str());
-}
+void log_throttled(const std::string& line) { g_log(line); }
 
 // What an operation threw (no free SQE, no memory), as an error code.
 std::error_code current_exception_code() noexcept {
@@ -197,17 +190,32 @@ task<void> echo(std::size_t index, shuttle::tcp_socket sock, thread_stats& stats
   }
 }
 
+// A transport connection ended by anything but a clean close or shutdown (a
+// protocol error, a refused one-sided access, an idle timeout, a reset):
+// who and why, for the operator.
+void log_connection_end(std::size_t index, const std::string& peer, const std::error_code& ec) {
+  if (ec == shuttle::errc::disconnected || ec == std::errc::operation_canceled) return;
+  log_throttled("thread " + std::to_string(index) + ": connection from " + peer + " failed: " + ec.message());
+}
+
 // Over the transport API: every received message goes back with a send. The
 // message's buffer returns to the receive pool once the send completed.
 task<void> echo(std::size_t index, shuttle::connection conn, thread_stats& stats) {
+  const std::string peer = conn.remote_endpoint().to_string();
   try {
     for (;;) {
       auto m = co_await conn.recv();
       // The peer disconnected, cancellation (shutdown), any error: done.
-      if (!m) break;
+      if (!m) {
+        log_connection_end(index, peer, m.error());
+        break;
+      }
       if (m->imm()) continue;  // a write_with_imm notification: nothing to echo
       auto w = co_await conn.send(m->data());
-      if (!w) break;
+      if (!w) {
+        log_connection_end(index, peer, w.error());
+        break;
+      }
       stats.bytes += m->size();
     }
   } catch (...) {
@@ -256,6 +264,10 @@ task<void> serve(std::size_t index, Listener listener, thread_stats& stats, std:
     } else if (!is_transient(ec)) {
       pause = kMaxBackoff;
       log_throttled(line + "; retrying in " + std::to_string(pause.count()) + " ms");
+    } else if constexpr (!std::is_same_v<Listener, shuttle::tcp_listener>) {
+      // A peer that failed its handshake (wrong protocol, refused hello):
+      // that peer's problem, but the operator should see it.
+      log_throttled(line);
     }
     if (pause.count() > 0) {
       bool stopped = false;
@@ -309,6 +321,8 @@ struct options {
   std::size_t max_message = 65536;
   std::size_t recv_ring = 0;
   bool register_files = true;
+  shuttle::listener_options limits;  // rdma, tcp-provider
+  bool limits_set = false;
 };
 
 const char* const kUsage =
@@ -324,7 +338,15 @@ const char* const kUsage =
     "  --recv-ring N        tcp: receive through a ring of N kernel-provided buffers per thread\n"
     "                       (multishot recv; N a power of two; default 0: a buffer per connection)\n"
     "  --no-registered-files  tcp: operations name each socket by its fd, not by a slot in the\n"
-    "                       ring's registered-file table (for comparisons)\n";
+    "                       ring's registered-file table (for comparisons)\n"
+    "  --max-handshakes N   rdma, tcp-provider: handshakes in progress at once; a peer past it\n"
+    "                       is refused at once (default 64)\n"
+    "  --handshake-timeout MS  rdma, tcp-provider: how long a peer has to finish its handshake\n"
+    "                       (default 5000)\n"
+    "  --max-connections N  rdma, tcp-provider: connections alive at once; past it new peers\n"
+    "                       are refused (default 0: no cap)\n"
+    "  --idle-timeout MS    rdma, tcp-provider: a connection on which nothing arrives for this\n"
+    "                       long is closed (default 0: never)\n";
 
 options parse_options(int argc, char** argv) {
   options o;
@@ -350,6 +372,28 @@ options parse_options(int argc, char** argv) {
                  o.recv_ring = p.count("--recv-ring", v, 0, 32768);
                  if (o.recv_ring & (o.recv_ring - 1)) p.fail("--recv-ring must be a power of two");
                }},
+              {"--max-handshakes",
+               [&](std::string_view v) {
+                 o.limits.max_handshakes = static_cast<std::uint32_t>(p.count("--max-handshakes", v, 1, 1u << 20));
+                 o.limits_set = true;
+               }},
+              {"--handshake-timeout",
+               [&](std::string_view v) {
+                 o.limits.handshake_timeout =
+                     std::chrono::milliseconds(p.count("--handshake-timeout", v, 1, 3'600'000));
+                 o.limits_set = true;
+               }},
+              {"--max-connections",
+               [&](std::string_view v) {
+                 o.limits.max_connections =
+                     static_cast<std::uint32_t>(p.count("--max-connections", v, 0, 1u << 24));
+                 o.limits_set = true;
+               }},
+              {"--idle-timeout",
+               [&](std::string_view v) {
+                 o.limits.idle_timeout = std::chrono::milliseconds(p.count("--idle-timeout", v, 0, 86'400'000));
+                 o.limits_set = true;
+               }},
               {"--max-message",
                [&](std::string_view v) {
                  o.max_message = p.bytes("--max-message", v, 1, 1ull << 30);
@@ -362,6 +406,9 @@ options parse_options(int argc, char** argv) {
            " a listener and its connections belong to one thread");
   if (o.transport == cli::transport::socket && max_set)
     p.fail("--max-message applies to --transport rdma and tcp-provider (a TCP stream has no messages)");
+  if (o.transport == cli::transport::socket && o.limits_set)
+    p.fail("--max-handshakes, --handshake-timeout, --max-connections and --idle-timeout apply to --transport rdma "
+           "and tcp-provider");
   return o;
 }
 
@@ -444,6 +491,7 @@ int run_socket_server(const options& opts) {
     connections += s.connections;
     bytes += s.bytes;
   }
+  g_log.flush();
   std::printf("%s: served %llu connections, echoed %llu bytes\n", kProg,
               static_cast<unsigned long long>(connections), static_cast<unsigned long long>(bytes));
   std::fflush(stdout);
@@ -473,7 +521,7 @@ task<shuttle::result<void>> open_transport(transport_server& srv, const options&
   shuttle::connection_options copts;
   copts.receive_buffers = receive_buffers_for(opts.max_message);
   copts.receive_buffer_size = opts.max_message;
-  auto l = srv.domain->listen(ep, copts);
+  auto l = srv.domain->listen(ep, copts, opts.limits);
   if (!l) {
     srv.step = "cannot listen on " + ep.to_string() + " over " + srv.domain->describe();
     srv.domain.reset();
@@ -541,6 +589,7 @@ int run_transport_server(const options& opts) {
     clean = false;
   }
   rt.join();
+  g_log.flush();
   std::printf("%s: served %llu connections, echoed %llu bytes\n", kProg,
               static_cast<unsigned long long>(stats.connections), static_cast<unsigned long long>(stats.bytes));
   std::fflush(stdout);

@@ -37,9 +37,14 @@
 //
 // Output: perftest's table (MB = 2^20 bytes, as perftest), and with --json one
 // JSON object per row on its own line. Errors: a message on stderr, exit 1.
+// The server ends when its client goes (with --loop: never), or on SIGINT/
+// SIGTERM: a clean exit (0) with the line "shuttle-perf: served N sessions
+// (F failed)".
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 #include <shuttle/verbs/verbs.hpp>
+
+#include "tool_support.hpp"
 
 #include <algorithm>
 #include <array>
@@ -47,6 +52,7 @@
 #include <chrono>
 #include <cerrno>
 #include <cinttypes>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -207,6 +213,7 @@ struct options {
   std::uint64_t depth = 0;  // 0: 128 (bw) / 1 (lat)
   std::uint64_t batch = 0;  // 0: depth/4, 1..64 (bw); 1 (lat, atomic)
   std::uint64_t slots = 0;  // 0: depth (bw: buffer slots cycled through, each side)
+  bool unregistered = false;  // the client's local buffer left unregistered (memory the library does not own)
   bool json = false;
   bool loop = false;
   std::uint32_t rx_depth = 512;
@@ -239,6 +246,8 @@ void usage(FILE* f) {
       "        --slots N (bw: the buffer slots of one message size that the operations cycle through, on\n"
       "                   each side; default the depth, one per operation in flight; 1: every operation\n"
       "                   on the same buffer, as perftest's ib_*_bw above 2 KiB)\n"
+      "        --unregistered (client: its local buffer is not registered; operations on memory the\n"
+      "                   library does not own, docs/memory-registration.md)\n"
       "sizes take K/M suffixes (4K = 4096). Defaults: bw 64K x5000 depth 128, lat 2 B x1000, atomic 8 B.\n",
       f);
 }
@@ -313,6 +322,8 @@ options parse_args(int argc, char** argv) {
       const auto v = parse_size(val(), "--inline");
       if (v > 4096) fail("--inline: at most 4096 bytes");
       o.max_inline = static_cast<std::uint32_t>(v);
+    } else if (k == "--unregistered") {
+      o.unregistered = true;
     } else if (k == "--slots") {
       o.slots = parse_size(val(), "--slots");
       if (o.slots == 0) fail("--slots must be at least 1");
@@ -479,7 +490,15 @@ task<void> serve_one(connection c, domain& d) {
   }
 }
 
-task<int> server_main(const options& o) {
+// Sessions the server ran, for its summary line.
+struct server_stats {
+  std::uint64_t sessions = 0, failed = 0;
+};
+
+// Until the client goes (or, with --loop, until stopped by a signal). A
+// stop (SIGINT/SIGTERM) cancels the accept or the session under way.
+task<int> server_main(const options& o, server_stats& stats) {
+  tools::throttled_log session_log{"shuttle-perf"};
   domain d = open_domain(o);
   auto ep = check(endpoint::parse(o.bind.find(':') != std::string::npos && o.bind.front() != '['
                                       ? "[" + o.bind + "]:" + std::to_string(o.port)
@@ -490,19 +509,47 @@ task<int> server_main(const options& o) {
   auto l = check(d.listen(ep, conn_opts(o, 128)), "listen");
   std::printf("shuttle-perf: %s, listening on %s\n", d.describe().c_str(), l.local_endpoint().to_string().c_str());
   std::fflush(stdout);
+  const std::stop_token stop = co_await get_stop_token();
   do {
-    auto c = check(co_await l.accept(), "accept");
+    auto c = co_await l.accept();
+    if (!c && stop.stop_requested()) break;
+    if (!c) fail_with("accept", c.error());
+    ++stats.sessions;
     try {
-      co_await serve_one(std::move(c), d);
+      co_await serve_one(std::move(*c), d);
       print_poll_stats(d, "server");
       print_listener_stats(d);
     } catch (const std::exception& e) {
+      if (stop.stop_requested()) break;  // cancelled mid-session: shutting down
+      ++stats.failed;
       if (!o.loop) throw;
-      std::fprintf(stderr, "shuttle-perf: session failed: %s\n", e.what());
+      session_log(std::string("session failed: ") + e.what());  // --loop: a client looping on errors must not flood
     }
-  } while (o.loop);
+  } while (o.loop && !stop.stop_requested());
+  session_log.flush();
   l.close();
   co_return 0;
+}
+
+// The server, ended early by SIGINT/SIGTERM: then a clean exit (0), as at
+// its normal end, with the summary line either way.
+task<int> server_until_signal(const options& o, signal_set& signals) {
+  server_stats stats;
+  int rc = 1;
+  try {
+    auto r = co_await when_any(server_main(o, stats), tools::wait_for_signal(signals, "shuttle-perf"));
+    if (r.index() == 0) {
+      rc = std::get<0>(r);
+    } else {
+      rc = 0;
+      if (int sig = std::get<1>(r); sig > 0) std::fprintf(stderr, "shuttle-perf: %s, shutting down\n", strsignal(sig));
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shuttle-perf: %s\n", e.what());
+  }
+  std::printf("shuttle-perf: served %" PRIu64 " sessions (%" PRIu64 " failed)\n", stats.sessions, stats.failed);
+  std::fflush(stdout);
+  co_return rc;
 }
 
 // ---------------------------------------------------------------- client
@@ -759,7 +806,7 @@ task<int> client_main(const options& o) {
   client_state s{std::move(c), o, {}, {}, {}, {}, {}};
   s.local = std::make_unique<buffer>(region);
   s.pong = std::make_unique<buffer>(max_size);
-  s.local_mr = check(d.register_memory(s.local->span(), access::all), "register_memory");
+  if (!o.unregistered) s.local_mr = check(d.register_memory(s.local->span(), access::all), "register_memory");
   s.pong_mr = check(d.register_memory(s.pong->span(), access::all), "register_memory");
 
   ctrl h{};
@@ -834,8 +881,15 @@ int main(int argc, char** argv) {
     io_context::options io;
     io.spin_budget = std::chrono::microseconds(o.spin_us);
     io.ring_spin_budget = std::chrono::microseconds(o.spin_us);  // tcp: poll the ring too
+    // The server reads SIGINT/SIGTERM through a signalfd: blocked before
+    // the loop (and any provider thread) starts.
+    std::optional<signal_set> signals;
+    if (!o.host) {
+      block_signals({SIGINT, SIGTERM, SIGPIPE});
+      signals.emplace(std::initializer_list<int>{SIGINT, SIGTERM});
+    }
     io_context ctx(io);
-    int rc = o.host ? ctx.run(client_main(o)) : ctx.run(server_main(o));
+    int rc = o.host ? ctx.run(client_main(o)) : ctx.run(server_until_signal(o, *signals));
     (void)ctx.run(sleep_for(std::chrono::milliseconds(5)));  // let the provider wind down
     return rc;
   } catch (const std::exception& e) {

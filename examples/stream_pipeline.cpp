@@ -14,16 +14,29 @@
 // write_with_imm (the immediate names the slot) and may reuse a slot only
 // when the sink acks it.
 //
+// The sink may drop its connection and come back (a restart): every batch
+// carries a sequence number and stays in its slot until the sink acks it.
+// The network stage reconnects with back-off and resends, in order, every
+// batch not acked yet; the sink applies each sequence number once and acks a
+// duplicate without applying it. Records are delivered exactly once across
+// any number of restarts.
+//
 // SIGINT (or --duration) drains: ingest stops reading (a record is "in" once
 // the ingest stage has queued it), compute and network finish everything
 // queued, the sink confirms count and checksum, and both are compared with
-// what came in. If the sink dies, the error is reported with the number of
+// what came in. If the sink stays unreachable (no connection for
+// --reconnect-give-up seconds), the error is reported with the number of
 // records lost (in, but never confirmed by the sink): nothing vanishes silently.
 //
 //   stream_pipeline [--clients N] [--records-per-client M (0: until SIGINT)]
 //                   [--record-size B] [--batch R] [--queue Q] [--slots S]
 //                   [--sink-delay-us U] [--sink-die-after R] [--duration S]
+//                   [--sink-lives N] [--reconnect-give-up S]
 //                   [--report-ms MS] [--compute auto|cpu|gpu]
+//
+// --sink-die-after R: the sink drops its connection after applying R records
+// on it (without acking the last batch) and accepts a new one. --sink-lives N:
+// the sink accepts N connections, then stops listening (0: no limit).
 //
 // --compute auto (the default) runs the compute stage's function as a CUDA
 // kernel when shuttle was built with CUDA and a GPU is present, on the CPU
@@ -53,7 +66,9 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <list>
+#include <memory>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -78,7 +93,10 @@ struct config {
   std::size_t queue = 1024;  // records in the ingest channel; batches: queue / batch
   std::uint32_t slots = 16;
   std::uint32_t sink_delay_us = 0;
-  std::uint64_t sink_die_after = 0;  // records; 0: never
+  std::uint64_t sink_die_after = 0;  // records per sink connection; 0: never
+  unsigned sink_lives = 0;            // connections the sink accepts; 0: no limit
+  double reconnect_give_up_s = 10;    // no connection to the sink for this long: its records are lost
+  std::chrono::milliseconds ack_timeout{10000};  // no ack for this long: the link is dropped and remade
   double duration_s = 0;             // 0: until SIGINT (or all clients done)
   unsigned report_ms = 1000;
   bool quiet = false;
@@ -99,6 +117,10 @@ struct report {
   std::uint64_t sink_corrupt = 0;
   std::uint64_t batches = 0;  // shipped by the network stage (confirmed / batches: the batching achieved)
   std::uint64_t lost = 0;
+  std::uint64_t sink_restarts = 0;       // connections the sink dropped
+  std::uint64_t reconnects = 0;          // connections the network stage remade
+  std::uint64_t resent_batches = 0;      // batches written again after a reconnect
+  std::uint64_t sink_duplicates = 0;     // resent batches the sink had applied already (discarded)
   std::string error;  // first error that cost records
   double seconds = 0;
   bool ok() const { return error.empty() && lost == 0 && confirmed == in && sink_count == in && sink_checksum == in_checksum; }
@@ -257,10 +279,26 @@ class pipeline {
   net::awaitable<void> acceptor_loop();
   task<void> ingest_supervisor();
   task<void> compute_stage();
-  task<void> network_stage(shuttle::connection& conn, shuttle::remote_buffer slots, std::size_t slot_size);
-  task<void> ack_reader(shuttle::connection& conn);
-  task<void> ship(shuttle::connection& conn, std::uint32_t slot, std::size_t n, std::vector<std::pair<std::uint64_t, std::uint64_t>> ids,
-                  shuttle::remote_buffer remote);
+  // One connection to the sink: its slots' descriptor, and the writes and
+  // the ack reader running on it.
+  struct sink_link {
+    shuttle::connection conn;
+    shuttle::remote_buffer slots;
+    bool broken = false;  // failed, or stalled: to be remade
+    shuttle::async_scope tasks;
+  };
+  // A batch written to a slot and not acked yet: it stays there for a resend.
+  struct in_flight_batch {
+    std::uint64_t seq = 0;
+    std::size_t bytes = 0;
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> ids;  // (id, digest)
+  };
+  task<void> network_stage();
+  task<bool> ensure_link();
+  task<void> retire_link();
+  task<bool> wait_progress();
+  task<void> ack_reader(sink_link& l);
+  task<void> ship(sink_link& l, std::uint32_t slot);
   task<void> reporter();
   net::awaitable<void> client(unsigned idx, net::ip::tcp::endpoint ep);
   void fail(const std::string& what) {
@@ -283,12 +321,20 @@ class pipeline {
   std::optional<gpu_compute> gpu_;  // the compute stage runs on the GPU
 #endif
   // network stage state
+  shuttle::domain* src_dom_ = nullptr;
+  shuttle::connection_options copts_;
+  std::uint16_t sink_port_ = 0;
+  std::size_t slot_size_ = 0;
+  std::unique_ptr<sink_link> link_;
   std::vector<std::vector<std::byte>> local_slots_;
-  shuttle::channel<std::uint32_t>* free_slots_ = nullptr;
-  std::map<std::uint32_t, std::vector<std::pair<std::uint64_t, std::uint64_t>>> in_flight_;  // slot -> (id, digest)
+  std::deque<std::uint32_t> free_slots_;
+  std::map<std::uint32_t, in_flight_batch> in_flight_;  // by slot
   std::uint64_t in_flight_records_ = 0;
-  shuttle::event acks_drained_;
-  bool sink_gone_ = false;
+  std::uint64_t next_seq_ = 1;
+  shuttle::event progress_;  // an ack arrived or a link broke
+  bool sink_unreachable_ = false, got_totals_ = false;
+  // sink state: survives its restarts (a sink with durable state)
+  bool sink_finished_ = false;
   clock::time_point t0_{};
 };
 
@@ -432,147 +478,270 @@ task<void> pipeline::compute_stage() {
   batch_ch_.close();
 }
 
-task<void> pipeline::ship(shuttle::connection& conn, std::uint32_t slot, std::size_t n,
-                          std::vector<std::pair<std::uint64_t, std::uint64_t>> ids, shuttle::remote_buffer remote) {
-  in_flight_[slot] = std::move(ids);
-  auto r = co_await conn.write_with_imm(std::span(local_slots_[slot].data(), n), remote, slot);
-  if (!r) fail("network stage: write_with_imm: " + r.error().message());
+// Slot layout: [records u32][0 u32][sequence number u64], then per record
+// [id u64][digest u64][length u32][payload]. Acks: [slot u32][corrupt u32][seq u64].
+constexpr std::size_t slot_header = 16, record_header = 20, ack_size = 16, totals_size = 24;
+constexpr std::uint32_t totals_tag = 0xFFFFFFFF;
+
+task<void> pipeline::ship(sink_link& l, std::uint32_t slot) {
+  const auto& b = in_flight_.at(slot);
+  auto remote = l.slots.slice(std::uint64_t(slot) * slot_size_, slot_size_).value();
+  auto r = co_await l.conn.write_with_imm(std::span(local_slots_[slot].data(), b.bytes), remote, slot);
+  if (!r) {  // the batch stays in flight: it is resent on the next link
+    l.broken = true;
+    progress_.set();
+  }
 }
 
-task<void> pipeline::ack_reader(shuttle::connection& conn) {
+task<void> pipeline::ack_reader(sink_link& l) {
   for (;;) {
-    auto m = co_await conn.recv();
-    if (!m) {
-      if (!network_done_.is_set()) fail("network stage: sink connection: " + m.error().message());
-      sink_gone_ = true;
-      break;
-    }
+    auto m = co_await l.conn.recv();
+    if (!m) break;
     auto d = m->data();
-    if (d.size() == 24 && get32(d.data()) == 0xFFFFFFFF) {  // the sink's final totals
+    if (d.size() == totals_size && get32(d.data()) == totals_tag) {  // the sink's final totals
       report_.sink_count = get64(d.data() + 8);
       report_.sink_checksum = get64(d.data() + 16);
+      got_totals_ = true;
+      progress_.set();
+      co_return;
+    }
+    if (d.size() != ack_size) {
+      fail("network stage: malformed ack from the sink (" + std::to_string(d.size()) + " bytes)");
       break;
     }
     std::uint32_t slot = get32(d.data());
     report_.sink_corrupt += get32(d.data() + 4);
-    auto now = clock::now();
+    std::uint64_t seq = get64(d.data() + 8);
     auto it = in_flight_.find(slot);
-    if (it == in_flight_.end()) continue;
-    for (auto& [id, digest] : it->second) {
+    if (it == in_flight_.end() || it->second.seq != seq) continue;  // stale: the slot holds another batch now
+    for (auto& [id, digest] : it->second.ids) {
       ++report_.confirmed;
       report_.confirmed_checksum += mix(id, digest);
-      (void)now;
     }
-    in_flight_records_ -= it->second.size();
+    in_flight_records_ -= it->second.ids.size();
     in_flight_.erase(it);
-    std::uint32_t s = slot;
-    (void)free_slots_->try_send(s);
-    if (in_flight_.empty()) acks_drained_.set();
+    free_slots_.push_back(slot);
+    progress_.set();
   }
-  acks_drained_.set();
-  if (free_slots_) free_slots_->close();
+  l.broken = true;
+  progress_.set();
 }
 
-task<void> pipeline::network_stage(shuttle::connection& conn, shuttle::remote_buffer slots, std::size_t slot_size) {
-  shuttle::channel<std::uint32_t> free_slots(cfg_.slots);
-  free_slots_ = &free_slots;
-  for (std::uint32_t i = 0; i < cfg_.slots; ++i) (void)free_slots.try_send(i);
-  local_slots_.assign(cfg_.slots, std::vector<std::byte>(slot_size));
-  shuttle::async_scope writes;
-  writes.spawn(ack_reader(conn));
+// Waits for an ack, the totals or a broken link; false after ack_timeout
+// without any. A link on which nothing was acked for that long while
+// batches are in flight is stalled: it is dropped and remade.
+task<bool> pipeline::wait_progress() {
+  progress_.reset();
+  auto r = co_await shuttle::with_timeout(as_task(progress_.wait()), cfg_.ack_timeout);
+  if (!r && link_ && !in_flight_.empty()) link_->broken = true;
+  co_return bool(r);
+}
+
+// Cancels what still runs on the current link (its connection fails them)
+// and drops it.
+task<void> pipeline::retire_link() {
+  if (!link_) co_return;
+  link_->tasks.request_stop();
+  co_await link_->tasks.join();
+  if (!link_->broken) (void)co_await link_->conn.close();
+  link_.reset();
+}
+
+// A healthy link to the sink, remade with back-off when the last one broke;
+// every batch not acked is then written again, oldest first (the sink
+// discards those it applied already). False once the sink stayed unreachable
+// for reconnect_give_up_s: what is in flight is lost (and counted so).
+task<bool> pipeline::ensure_link() {
+  if (link_ && !link_->broken) co_return true;
+  if (sink_unreachable_) co_return false;
+  const bool first = !link_;
+  co_await retire_link();
+  const auto give_up = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                          std::chrono::duration<double>(cfg_.reconnect_give_up_s));
+  auto backoff = 1ms;
+  std::error_code last;
+  for (;;) {
+    auto c = co_await shuttle::with_timeout(src_dom_->connect(shuttle::endpoint::loopback(sink_port_), copts_), 5s);
+    // with_timeout flattens: a connect or recv error, or timed_out.
+    if (c) {
+      auto conn = std::move(*c);
+      auto recv = [](shuttle::connection& cn) -> task<result<shuttle::message>> { co_return co_await cn.recv(); };
+      auto d = co_await shuttle::with_timeout(recv(conn), 5s);
+      if (d && d->size() == shuttle::remote_buffer::wire_size) {
+        link_ = std::make_unique<sink_link>();
+        link_->conn = std::move(conn);
+        link_->slots = shuttle::remote_buffer::deserialize(d->data().first<shuttle::remote_buffer::wire_size>());
+        d->reset();
+        break;
+      }
+      last = d ? std::make_error_code(std::errc::protocol_error) : d.error();
+    } else {
+      last = c.error();
+    }
+    if (clock::now() + backoff > give_up) {
+      sink_unreachable_ = true;
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", cfg_.reconnect_give_up_s);
+      fail(std::string("network stage: sink unreachable for ") + secs + " s: " + last.message());
+      co_return false;
+    }
+    (void)co_await shuttle::sleep_for(backoff);
+    backoff = std::min<std::chrono::milliseconds>(backoff * 2, 200ms);
+  }
+  if (!first) ++report_.reconnects;
+  link_->tasks.spawn(ack_reader(*link_));
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> resend;  // (seq, slot)
+  for (auto& [slot, b] : in_flight_) resend.emplace_back(b.seq, slot);
+  std::sort(resend.begin(), resend.end());
+  for (auto [seq, slot] : resend) {
+    ++report_.resent_batches;
+    link_->tasks.spawn(ship(*link_, slot));
+  }
+  co_return true;
+}
+
+task<void> pipeline::network_stage() {
+  local_slots_.assign(cfg_.slots, std::vector<std::byte>(slot_size_));
+  for (std::uint32_t i = 0; i < cfg_.slots; ++i) free_slots_.push_back(i);
   for (;;) {
     auto b = co_await batch_ch_.receive();
     if (!b) break;
-    auto slot = co_await free_slots.receive();  // backpressure from the sink
-    if (!slot) {
-      // The sink is gone: these records are lost, and counted so.
-      fail("network stage: sink stopped acknowledging");
-      continue;  // keep draining so upstream finishes
-    }
-    auto& buf = local_slots_[*slot];
-    std::size_t off = 4;
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> ids;
+    // A free slot (backpressure from the sink), on a healthy link.
+    bool linked = false;
+    while ((linked = co_await ensure_link()) && free_slots_.empty()) (void)co_await wait_progress();
+    if (!linked) continue;  // the sink is unreachable: these records are lost, and counted so; keep draining upstream
+    const std::uint32_t slot = free_slots_.front();
+    free_slots_.pop_front();
+    auto& buf = local_slots_[slot];
+    in_flight_batch f;
+    f.seq = next_seq_++;
+    std::size_t off = slot_header;
     auto now = clock::now();
     for (auto& r : b->recs) {
       put64(buf.data() + off, r.id);
       put64(buf.data() + off + 8, r.digest);
       put32(buf.data() + off + 16, static_cast<std::uint32_t>(r.payload.size()));
-      std::memcpy(buf.data() + off + 20, r.payload.data(), r.payload.size());
-      off += 20 + r.payload.size();
-      ids.emplace_back(r.id, r.digest);
+      std::memcpy(buf.data() + off + record_header, r.payload.data(), r.payload.size());
+      off += record_header + r.payload.size();
+      f.ids.emplace_back(r.id, r.digest);
       m_network_.add(r.t_in, now);
     }
     put32(buf.data(), static_cast<std::uint32_t>(b->recs.size()));
-    in_flight_records_ += ids.size();
+    put32(buf.data() + 4, 0);
+    put64(buf.data() + 8, f.seq);
+    f.bytes = off;
+    in_flight_records_ += f.ids.size();
+    in_flight_[slot] = std::move(f);
     ++report_.batches;
-    acks_drained_.reset();
-    writes.spawn(ship(conn, *slot, off, std::move(ids), slots.slice(std::uint64_t(*slot) * slot_size, slot_size).value()));
+    link_->tasks.spawn(ship(*link_, slot));
   }
-  // Drain: wait for every slot's ack, then exchange totals.
-  if (!in_flight_.empty() && !sink_gone_) (void)co_await shuttle::with_timeout(as_task(acks_drained_.wait()), 10s);
+  // Drain: every batch acked (across reconnects), then exchange totals.
+  while (!in_flight_.empty() && co_await ensure_link()) (void)co_await wait_progress();
   network_done_.set();
-  if (!sink_gone_) {
+  for (int attempt = 0; attempt < 5 && !got_totals_ && in_flight_.empty() && co_await ensure_link(); ++attempt) {
     std::byte fin[4];
-    put32(fin, 0xFFFFFFFF);
-    (void)co_await conn.send(fin);
+    put32(fin, totals_tag);
+    if (!co_await link_->conn.send(fin)) {
+      link_->broken = true;
+      continue;
+    }
+    while (!got_totals_ && !link_->broken)
+      if (!co_await wait_progress()) link_->broken = true;  // no totals: ask again on a new link
   }
-  co_await writes.join();  // every write completes: success, error or the connection's end
-  free_slots_ = nullptr;
+  co_await retire_link();
 }
 
 // The sink: owns registered slots, verifies every record of a slot when the
-// write_with_imm naming it arrives, acks the slot, and reports its totals.
+// write_with_imm naming it arrives, applies each batch sequence number once,
+// acks the slot, and reports its totals. Its state outlives its connections:
+// after a drop (--sink-die-after) it accepts the next one.
 task<void> pipeline::sink_main(shuttle::domain& dom, shuttle::listener& l, std::size_t slot_size) {
-  auto c = co_await l.accept();
-  if (!c) co_return;
-  auto conn = std::move(*c);
   std::vector<std::byte> mem(std::size_t(cfg_.slots) * slot_size);
   auto mr = dom.register_memory(mem, shuttle::access::local_write | shuttle::access::remote_write).value();
   std::byte desc[shuttle::remote_buffer::wire_size];
   mr.remote().serialize(desc);
-  if (!co_await conn.send(desc)) co_return;
-  std::uint64_t count = 0, checksum = 0;
+  std::uint64_t count = 0, checksum = 0, applied_seq = 0;
   std::vector<std::byte> plain;
-  for (;;) {
-    auto m = co_await conn.recv();
-    if (!m) break;
-    if (!m->imm()) {  // the sender's fin: answer with our totals
-      std::byte fin[24]{};
-      put32(fin, 0xFFFFFFFF);
-      put64(fin + 8, count);
-      put64(fin + 16, checksum);
-      (void)co_await conn.send(fin);
+  for (unsigned lives = 0; !sink_finished_; ++lives) {
+    if (cfg_.sink_lives && lives == cfg_.sink_lives) {
+      l.close();  // gone for good: new connections are refused
       break;
     }
-    std::uint32_t slot = *m->imm();
-    m->reset();
-    const std::byte* p = mem.data() + std::size_t(slot) * slot_size;
-    std::uint32_t n = get32(p), corrupt = 0;
-    p += 4;
-    for (std::uint32_t i = 0; i < n; ++i) {
-      std::uint64_t id = get64(p), digest = get64(p + 8);
-      std::uint32_t len = get32(p + 16);
-      plain.assign(p + 20, p + 20 + len);
-      for (auto& x : plain) x ^= std::byte{0x5a};
-      if (fnv1a(plain) != digest) ++corrupt;
-      ++count;
-      checksum += mix(id, digest);
-      p += 20 + len;
+    auto c = co_await l.accept();
+    if (!c) break;
+    auto conn = std::move(*c);
+    if (!co_await conn.send(desc)) continue;
+    std::uint64_t applied_here = 0;
+    bool drop = false;
+    for (;;) {
+      auto m = co_await conn.recv();
+      if (!m) break;  // the sender dropped this link: wait for the next one
+      if (!m->imm()) {  // the sender's fin: answer with our totals
+        std::byte fin[totals_size]{};
+        put32(fin, totals_tag);
+        put64(fin + 8, count);
+        put64(fin + 16, checksum);
+        sink_finished_ = true;
+        (void)co_await conn.send(fin);
+        break;
+      }
+      const std::uint32_t slot = *m->imm();
+      m->reset();
+      if (slot >= cfg_.slots) {
+        fail("sink: write names slot " + std::to_string(slot) + " of " + std::to_string(cfg_.slots));
+        drop = true;
+        break;
+      }
+      const std::byte* p = mem.data() + std::size_t(slot) * slot_size;
+      const std::byte* end = p + slot_size;
+      const std::uint32_t n = get32(p);
+      const std::uint64_t seq = get64(p + 8);
+      std::uint32_t corrupt = 0;
+      if (seq <= applied_seq) {
+        ++report_.sink_duplicates;  // applied before a drop, resent: acked again, not applied again
+      } else if (seq != applied_seq + 1) {
+        fail("sink: batch " + std::to_string(seq) + " arrived after " + std::to_string(applied_seq) + " (a gap)");
+        drop = true;
+        break;
+      } else {
+        p += slot_header;
+        std::uint64_t batch_count = 0, batch_sum = 0;
+        for (std::uint32_t i = 0; i < n; ++i) {
+          std::uint32_t len = end - p >= std::ptrdiff_t(record_header) ? get32(p + 16) : 0;
+          if (end - p < std::ptrdiff_t(record_header) || std::size_t(end - p - record_header) < len) {
+            corrupt += n - i;  // runs past its slot
+            break;
+          }
+          std::uint64_t id = get64(p), digest = get64(p + 8);
+          plain.assign(p + record_header, p + record_header + len);
+          for (auto& x : plain) x ^= std::byte{0x5a};
+          if (fnv1a(plain) != digest) ++corrupt;
+          ++batch_count;
+          batch_sum += mix(id, digest);
+          p += record_header + len;
+        }
+        count += batch_count;
+        checksum += batch_sum;
+        applied_seq = seq;
+        applied_here += batch_count;
+      }
+      if (cfg_.sink_delay_us) (void)co_await shuttle::sleep_for(std::chrono::microseconds(cfg_.sink_delay_us));
+      if (cfg_.sink_die_after && applied_here >= cfg_.sink_die_after) {  // dies before acking this batch
+        ++report_.sink_restarts;
+        drop = true;
+        break;
+      }
+      std::byte ack[ack_size];
+      put32(ack, slot);
+      put32(ack + 4, corrupt);
+      put64(ack + 8, seq);
+      if (!co_await conn.send(ack)) break;
     }
-    if (cfg_.sink_delay_us) (void)co_await shuttle::sleep_for(std::chrono::microseconds(cfg_.sink_delay_us));
-    if (cfg_.sink_die_after && count >= cfg_.sink_die_after) break;  // dies: the connection is torn down unacked
-    std::byte ack[8];
-    put32(ack, slot);
-    put32(ack + 4, corrupt);
-    if (!co_await conn.send(ack)) break;
+    report_.sink_count = count;
+    report_.sink_checksum = checksum;
+    if (drop) continue;  // abrupt (the connection's destructor): pending operations fail on both sides
+    (void)co_await conn.close();
   }
-  report_.sink_count = std::max(report_.sink_count, count);
-  report_.sink_checksum = report_.sink_count == count ? checksum : report_.sink_checksum;
-  if (cfg_.sink_die_after && count >= cfg_.sink_die_after) {
-    conn = shuttle::connection{};  // abrupt: pending operations fail on both sides
-    co_return;
-  }
-  (void)co_await conn.close();
 }
 
 task<void> pipeline::stopper() {
@@ -601,21 +770,15 @@ task<void> pipeline::stopper() {
 
 task<report> pipeline::run() {
   t0_ = clock::now();
-  const std::size_t slot_size = 4 + cfg_.batch * (20 + cfg_.record_size);
+  slot_size_ = slot_header + cfg_.batch * (record_header + cfg_.record_size);
   auto sink_dom = shuttle::domain::open().value();
   auto src_dom = shuttle::domain::open().value();
-  shuttle::connection_options copts;
-  copts.receive_buffers = std::max<std::uint32_t>(64, cfg_.slots * 2 + 4);
-  auto l = sink_dom.listen(shuttle::endpoint::loopback(0), copts).value();
+  copts_.receive_buffers = std::max<std::uint32_t>(64, cfg_.slots * 2 + 4);
+  auto l = sink_dom.listen(shuttle::endpoint::loopback(0), copts_).value();
+  src_dom_ = &src_dom;
+  sink_port_ = l.local_endpoint().port();
   shuttle::async_scope sink_scope, aux, stages;
-  sink_scope.spawn(sink_main(sink_dom, l, slot_size));
-  auto c = co_await src_dom.connect(shuttle::endpoint::loopback(l.local_endpoint().port()), copts);
-  if (!c) throw std::system_error(c.error(), "connect to sink");
-  auto conn = std::move(*c);
-  auto d = co_await conn.recv();
-  if (!d || d->size() != shuttle::remote_buffer::wire_size) throw std::runtime_error("sink: no slot descriptor");
-  auto slots = shuttle::remote_buffer::deserialize(d->data().first<shuttle::remote_buffer::wire_size>());
-  d->reset();
+  sink_scope.spawn(sink_main(sink_dom, l, slot_size_));
 
   acceptor_.emplace(actx_, net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), 0));
   auto ep = acceptor_->local_endpoint();
@@ -627,11 +790,11 @@ task<report> pipeline::run() {
   aux.spawn(reporter());
   stages.spawn(ingest_supervisor());
   stages.spawn(compute_stage());
-  stages.spawn(network_stage(conn, slots, slot_size));
+  stages.spawn(network_stage());
   co_await stages.join();
   aux.request_stop();
   co_await aux.join();
-  (void)co_await conn.close();
+  if (!sink_finished_) sink_scope.request_stop();  // no totals exchanged: stop waiting for the sender
   co_await sink_scope.join();
   l.close();
   // Let client coroutines (Asio) see their sockets closed.
@@ -675,7 +838,7 @@ void usage() {
   std::fprintf(stderr,
                "usage: stream_pipeline [--clients N] [--records-per-client M] [--record-size B] [--batch R]\n"
                "         [--queue Q] [--slots S] [--sink-delay-us U] [--sink-die-after R] [--duration S]\n"
-               "         [--report-ms MS] [--quiet] [--compute auto|cpu|gpu]\n");
+               "         [--sink-lives N] [--reconnect-give-up S] [--report-ms MS] [--quiet] [--compute auto|cpu|gpu]\n");
 }
 }  // namespace
 
@@ -699,6 +862,8 @@ int main(int argc, char** argv) {
     else if (a == "--slots") cfg.slots = std::uint32_t(next());
     else if (a == "--sink-delay-us") cfg.sink_delay_us = std::uint32_t(next());
     else if (a == "--sink-die-after") cfg.sink_die_after = std::uint64_t(next());
+    else if (a == "--sink-lives") cfg.sink_lives = unsigned(next());
+    else if (a == "--reconnect-give-up") cfg.reconnect_give_up_s = next();
     else if (a == "--duration") cfg.duration_s = next();
     else if (a == "--report-ms") cfg.report_ms = unsigned(next());
     else if (a == "--quiet") cfg.quiet = true;
@@ -735,6 +900,10 @@ int main(int argc, char** argv) {
               r.seconds, (unsigned long long)r.sent_by_clients, (unsigned long long)r.in,
               (unsigned long long)r.in_checksum, (unsigned long long)r.sink_count, (unsigned long long)r.sink_checksum,
               (unsigned long long)r.lost, (unsigned long long)r.sink_corrupt, double(r.confirmed) / r.seconds);
+  if (r.sink_restarts || r.reconnects)
+    std::printf("stream_pipeline: sink restarts %llu  reconnects %llu  batches resent %llu  duplicates discarded by the sink %llu\n",
+                (unsigned long long)r.sink_restarts, (unsigned long long)r.reconnects, (unsigned long long)r.resent_batches,
+                (unsigned long long)r.sink_duplicates);
   if (!r.error.empty()) std::printf("stream_pipeline: ERROR: %s (%llu records lost)\n", r.error.c_str(), (unsigned long long)r.lost);
   if (r.ok()) {
     std::printf("stream_pipeline: OK: out == in (count and checksum)\n");

@@ -23,20 +23,28 @@
 // Prints chunks, bytes, GB/s (10^9 bytes/s, from the first chunk produced to
 // the last credit back) and checksum OK/FAIL. Exit status: 0 if every chunk
 // arrived intact, 1 on a mismatch or a transport error, 2 for bad usage.
+// SIGINT/SIGTERM stop both sides: the same summary (chunks so far, checked),
+// "interrupted by SIGTERM" on the checksum line, and exit 0 if every chunk
+// that arrived was intact. A line "receiver listening on ADDR" comes first,
+// once the signals are handled.
 
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
 #include "cli.hpp"
+#include "tool_support.hpp"
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <csignal>
 #include <cstring>
+#include <functional>
 #include <exception>
 #include <future>
 #include <memory>
@@ -209,6 +217,10 @@ struct shared {
   shuttle::runtime& rt;
   std::mutex mutex;  // for errors (either thread)
   std::vector<std::string> errors;
+  // Set on SIGINT/SIGTERM before both sides are stopped: what fails after
+  // it (a cancelled recv, the peer's connection closing) is the stop, not
+  // an error.
+  std::atomic<bool> interrupted{false};
 
   // Receiver (thread 0).
   std::string setup_step;  // what failed in listen()
@@ -224,6 +236,7 @@ struct shared {
   steady::time_point t0{}, t1{};
 
   void error(std::string msg) {
+    if (interrupted.load()) return;
     {
       std::lock_guard lock(mutex);
       if (errors.size() < 10) errors.push_back(std::move(msg));
@@ -486,13 +499,23 @@ task<void> send(shared& s, shuttle::endpoint ep, shuttle::transport_kind kind) {
   co_await wind_down();
 }
 
-task<void> fulfil(task<void> t, std::promise<void> done) {
+// Runs `t`, reports its end (or its exception) through `done`, then runs
+// `then` (which tells the main thread).
+task<void> fulfil(task<void> t, std::promise<void> done, std::function<void()> then) {
   try {
     co_await std::move(t);
     done.set_value();
   } catch (...) {
     done.set_exception(std::current_exception());
   }
+  then();
+}
+
+// On the main thread: the first SIGINT/SIGTERM (its number), or 0 once both
+// sides finished.
+shuttle::task<int> signal_or_finished(shuttle::signal_set& signals, shuttle::event& finished) {
+  auto r = co_await shuttle::when_any(tools::wait_for_signal(signals, kProg), finished.wait());
+  co_return r.index() == 0 ? std::get<0>(r) : 0;
 }
 
 int run(const options& o) {
@@ -502,6 +525,11 @@ int run(const options& o) {
     std::fprintf(stderr, "%s: bad --addr '%s' (a numeric IPv4 or IPv6 address)\n", kProg, o.addr.c_str());
     return 2;
   }
+  // SIGINT/SIGTERM are read on this thread through a signalfd: blocked
+  // before the runtime's threads start (they inherit the mask).
+  shuttle::block_signals({SIGINT, SIGTERM, SIGPIPE});
+  shuttle::io_context main_ctx;
+  shuttle::signal_set signals{SIGINT, SIGTERM};
   shuttle::runtime rt(2);
   shared s(o, rt);
 
@@ -515,10 +543,26 @@ int run(const options& o) {
   const std::string described = s.rx_domain->describe();
   auto peer = shuttle::endpoint::parse((v6 ? "[" + o.addr + "]" : o.addr) + ":" + std::to_string(*port)).value();
 
+  std::printf("%s: receiver listening on %s\n", kProg, peer.to_string().c_str());
+  std::fflush(stdout);
+
   std::promise<void> rx_done, tx_done;
   auto rx = rx_done.get_future(), tx = tx_done.get_future();
-  rt.spawn(0, fulfil(receive(s), std::move(rx_done)));
-  rt.spawn(1, fulfil(send(s, peer, kind), std::move(tx_done)));
+  shuttle::event finished;
+  int sides_left = 2;  // main thread only
+  auto tell_main = [&] {
+    main_ctx.dispatch([&] {
+      if (--sides_left == 0) finished.set();
+    });
+  };
+  rt.spawn(0, fulfil(receive(s), std::move(rx_done), tell_main));
+  rt.spawn(1, fulfil(send(s, peer, kind), std::move(tx_done), tell_main));
+  const int sig = main_ctx.run(signal_or_finished(signals, finished));
+  if (sig > 0) {
+    std::fprintf(stderr, "%s: %s, stopping\n", kProg, strsignal(sig));
+    s.interrupted.store(true);
+    rt.request_stop();
+  }
   bool crashed = false;
   for (auto* f : {&rx, &tx}) {
     try {
@@ -534,15 +578,19 @@ int run(const options& o) {
   for (auto& e : s.errors) std::fprintf(stderr, "%s: %s\n", kProg, e.c_str());
   const std::uint64_t bytes = s.received * o.chunk_size;
   const double secs = s.t1 > s.t0 ? std::chrono::duration<double>(s.t1 - s.t0).count() : 0;
-  const bool ok = !crashed && s.errors.empty() && s.mismatches == 0 && s.verified == o.chunks && s.end_ok;
+  // Interrupted: what arrived so far must be intact, and the run says it
+  // stopped early; a clean stop exits 0, as the servers do.
+  const bool intact = !crashed && s.errors.empty() && s.mismatches == 0;
+  const bool ok = intact && (sig > 0 || (s.verified == o.chunks && s.end_ok));
   std::printf("%s: %s over %s, %s\n", kProg, cli::name_of(kind), described.c_str(), peer.to_string().c_str());
   std::printf("  chunks:   %llu of %llu x %llu bytes through %llu slots\n",
               static_cast<unsigned long long>(s.received), static_cast<unsigned long long>(o.chunks),
               static_cast<unsigned long long>(o.chunk_size), static_cast<unsigned long long>(o.slots));
   std::printf("  bytes:    %llu in %.3f s\n", static_cast<unsigned long long>(bytes), secs);
   std::printf("  rate:     %.3f GB/s\n", secs > 0 ? static_cast<double>(bytes) / secs / 1e9 : 0.0);
-  std::printf("  checksum: %s (%llu verified, %llu corrupt)\n", ok ? "OK" : "FAIL",
-              static_cast<unsigned long long>(s.verified), static_cast<unsigned long long>(s.mismatches));
+  std::printf("  checksum: %s (%llu verified, %llu corrupt)%s\n", ok ? "OK" : "FAIL",
+              static_cast<unsigned long long>(s.verified), static_cast<unsigned long long>(s.mismatches),
+              sig > 0 ? (std::string(", interrupted by SIG") + sigabbrev_np(sig)).c_str() : "");
   std::fflush(stdout);
   return ok ? 0 : 1;
 }

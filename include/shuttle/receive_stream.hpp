@@ -3,7 +3,9 @@
 // buffer the kernel picks from a ring shared by many sockets. It pays where
 // many connections mostly wait (a server with thousands of sockets holds
 // ring buffers only for data that arrived, not one buffer per socket) and
-// where one submission per message is worth saving.
+// where one submission per message is worth saving. A stream holds at most
+// a quota of the ring's buffers that its consumer has not taken
+// (receive_stream_options): one stalled consumer cannot starve the others.
 //
 //   buffer_ring ring(ctx, 1024, 16384);           // per io_context
 //   receive_stream rx(sock, ring);
@@ -105,12 +107,25 @@ class provided_buffer {
   std::size_t len_ = 0;
 };
 
+struct receive_stream_options {
+  // Ring buffers the stream may hold with data that next() has not taken
+  // yet. Past it the stream stops receiving (its multishot request is
+  // cancelled; the data waits in the socket) until the consumer has taken
+  // them all, so a consumer that stalls, or a peer that sends faster than
+  // it is served, cannot empty a ring other streams share. The request
+  // carries the quota as a byte limit (quota x buffer size; Linux 6.17+), so
+  // partly filled buffers may overshoot it until the cancel lands; older
+  // kernels only get the cancel, which lands after a burst of the kernel's
+  // (up to the whole ring). 0: count() / 8 of the ring, at least 1.
+  unsigned max_queued = 0;
+};
+
 // Multishot recv on one socket into a buffer_ring. The socket and the ring
 // must outlive the stream, and no next() may be pending when it is
 // destroyed; destroying it cancels the request.
 class receive_stream {
  public:
-  receive_stream(tcp_socket& socket, buffer_ring& ring);
+  receive_stream(tcp_socket& socket, buffer_ring& ring, receive_stream_options options = {});
   ~receive_stream();
   receive_stream(const receive_stream&) = delete;
   receive_stream& operator=(const receive_stream&) = delete;
@@ -118,6 +133,9 @@ class receive_stream {
   class next_awaiter;
   // co_await rx.next(): result<provided_buffer>; an empty buffer at EOF.
   next_awaiter next() noexcept;
+
+  // Ring buffers received and not yet taken by next().
+  std::size_t queued() const noexcept;
 
   struct state;
 

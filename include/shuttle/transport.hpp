@@ -77,6 +77,7 @@ class region_impl;
 class connection_impl;
 class listener_impl;
 class domain_impl;
+class grant_impl;
 }  // namespace detail
 
 // A registered memory range (ibv_mr). Deregistered when the last copy goes.
@@ -97,6 +98,47 @@ class memory_region {
 
  private:
   std::shared_ptr<detail::region_impl> impl_;
+};
+
+// A range of a registration exposed to one connection's peer only, until it
+// is revoked (connection::grant). The registration's own rkey opens it to
+// every peer of the domain (all connections share one protection domain);
+// a grant's key opens the range to the peer of the connection it was
+// granted on and to no other: an access through it from any other
+// connection fails there with errc::remote_access_error (and, RC rules,
+// moves that connection to the error state), the granting connection and
+// the others carry on.
+//  - verbs: a type 2 memory window (ibv_alloc_mw, IBV_MW_TYPE_2) bound on
+//    the connection's QP with an IBV_WR_BIND_MW work request, to a
+//    registration of exactly the granted range (IBV_ACCESS_MW_BIND, no
+//    remote rights of its own), so that the range is enforced even where
+//    the device checks an access's bounds against the registration only
+//    (Soft-RoCE); revoked with IBV_WR_LOCAL_INV, deallocated when the grant
+//    goes. On a device without type 2A/2B windows (device_cap_flags),
+//    grant() fails with errc::not_supported.
+//  - tcp: an entry in the domain's key table that names its connection,
+//    with an unguessable key (getrandom); the target's reader accepts it
+//    only from that connection.
+// Destroying a grant, or its connection, revokes it at once without
+// waiting: use connection::revoke to know that no access through it is
+// still touching the memory. It keeps the registration alive.
+class memory_grant {
+ public:
+  memory_grant() noexcept;
+  explicit memory_grant(std::unique_ptr<detail::grant_impl> impl) noexcept;
+  memory_grant(memory_grant&&) noexcept;
+  memory_grant& operator=(memory_grant&&) noexcept;
+  ~memory_grant();
+
+  // What the peer needs: address and length of the granted range, and the
+  // grant's own key (never the registration's). Empty once revoked.
+  remote_buffer remote() const noexcept;
+  // Granted, and not revoked (nor its connection destroyed) since.
+  explicit operator bool() const noexcept;
+  detail::grant_impl* impl() const noexcept { return impl_.get(); }
+
+ private:
+  std::unique_ptr<detail::grant_impl> impl_;
 };
 
 // A received message. Its buffer belongs to the connection's receive pool
@@ -169,6 +211,11 @@ struct connection_options {
 // for how long (domain::listen). Every peer may be hostile: one that never
 // finishes its handshake, or that connects and says nothing, costs a
 // bounded amount of memory and time and never delays the others.
+// tcp provider: while an accept() waits, the listener takes peers from the
+// kernel and starts their handshakes, which then run in the background,
+// concurrently, each with its own deadline; accept() returns the first
+// connection established. A refused peer's socket is closed at once (it
+// reads EOF, without the server's hello).
 struct listener_options {
   // Handshakes in progress at once; a connection request past it is
   // refused at once (verbs: a reject with a reason in its private data).
@@ -176,13 +223,18 @@ struct listener_options {
   // How long a peer has to finish its handshake; past it, it is dropped.
   std::chrono::milliseconds handshake_timeout{5000};
   // Connections established and not yet taken by accept(); past it new
-  // requests are refused.
+  // requests are refused (tcp provider: 0 counts as 1).
   std::uint32_t accept_backlog = 64;
   // Connections from this listener alive at once (0: no cap); past it a
-  // new request is refused.
+  // new request is refused. Handshakes in progress count too, so that they
+  // cannot overshoot it; a connection counts until it has failed or closed
+  // (tcp provider: until its socket is closed, even while the application
+  // still holds the connection object).
   std::uint32_t max_connections = 0;
   // An accepted connection on which nothing arrives from the peer for this
-  // long fails with errc::idle_timeout (0: never).
+  // long fails with errc::idle_timeout (0: never). tcp provider: no byte
+  // of data (the kernel's time of the last data received, checked about
+  // once per timeout); it fails up to about a sixteenth of it late.
   std::chrono::milliseconds idle_timeout{0};
 };
 
@@ -325,9 +377,11 @@ class connection {
   connection& operator=(connection&&) noexcept;
   ~connection();  // aborts: pending operations fail, resources are freed
 
-  // Two-sided. `msg` may be any memory: it is sent from a registration that
-  // covers it (found in the domain's cache, registered on first use) or,
-  // when small, inline. At most max_message_size() bytes.
+  // Two-sided. `msg` may be any memory: it is sent from a live
+  // memory_region of the user's that covers it, or, when small, inline;
+  // other memory is never registered beyond the operation (verbs: copied
+  // into a registered staging slot, or registered for this operation
+  // alone; docs/memory-registration.md). At most max_message_size() bytes.
   //
   // A send completes once `msg` may be reused. On verbs a send of at most
   // max_inline_data bytes goes inline (copied into the work request) and
@@ -349,7 +403,8 @@ class connection {
   // cancelled one takes no message.
   connection_op<message> recv() { return {impl_.get(), ops_->recv, {}}; }
 
-  // One-sided. Local memory is registered through the domain's cache.
+  // One-sided. Local memory: as send's (a read target is registered for the
+  // operation alone unless a memory_region covers it).
   connection_op<void> write(std::span<const std::byte> local, remote_buffer remote) {
     return {impl_.get(), ops_->write, detail::make_op_args(local, remote)};
   }
@@ -399,10 +454,33 @@ class connection {
 
   // One operation (as a batch's: send, write, write_with_imm, read) built
   // once, to be started many times: see prepared_operation. The arguments
-  // are checked now (an oversize send: errc::message_too_long) and the
-  // local memory registered through the domain's cache if it is not yet.
+  // are checked now (an oversize send: errc::message_too_long) and local
+  // memory no memory_region covers is registered for the prepared
+  // operation's life (the memory must outlive it).
   // errc::disconnected for a connection without a provider.
   result<prepared_operation> prepare(const operation& op);
+
+  // Exposes [offset, offset+len) of `r` (a registration of this
+  // connection's domain) to this connection's peer only, with `rights` (a
+  // non-empty set of access::remote_write / remote_read / remote_atomic,
+  // all of which `r` must hold): see memory_grant. Errors:
+  // std::errc::invalid_argument (no registration, one of another domain,
+  // len 0, rights empty or not remote ones), std::errc::result_out_of_range
+  // (the range is not inside `r`), std::errc::permission_denied (rights `r`
+  // lacks), errc::not_supported (a device without type 2 memory windows),
+  // errc::disconnected (the connection failed or was closed).
+  task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len, unsigned rights);
+  // Takes a grant of this connection back. When it completes, the peer's
+  // accesses through the grant fail (errc::remote_access_error) and none
+  // is still touching the memory (verbs: the IBV_WR_LOCAL_INV has
+  // completed; tcp: no access through it is in progress in the reader).
+  // Revoking one already revoked (or whose connection failed) succeeds;
+  // std::errc::invalid_argument for an empty grant or one of another
+  // connection. Cancelled, the grant is revoked all the same, but accesses
+  // may still be in progress (std::errc::operation_canceled). On tcp a peer
+  // that stops sending in the middle of a write's payload holds its access
+  // in progress: bound the wait (with_timeout) and destroy the connection.
+  task<result<void>> revoke(memory_grant& g);
 
   // Graceful disconnect: waits for what is in flight (inline sends
   // included), then tells the peer; errc::disconnected if the connection
@@ -451,9 +529,12 @@ class domain {
   transport_kind kind() const noexcept;
   std::string describe() const;
 
-  // Registers memory for access by peers (and locally). Repeated
-  // registrations of a range already registered with these rights are served
-  // from the domain's cache.
+  // Registers memory for access by peers (and locally). On verbs each call
+  // makes a new registration (tcp pins nothing and may serve a repeated
+  // one from its cache). As with ibv_reg_mr, a memory_region (every copy of
+  // it) must be destroyed before its memory is freed or unmapped: it pins
+  // the pages mapped when it was made, and operations on memory it covers
+  // use it.
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned access_flags);
 
   task<result<connection>> connect(endpoint remote, connection_options opts = {});

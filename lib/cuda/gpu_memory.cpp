@@ -120,16 +120,41 @@ std::string gdr_capabilities::describe() const {
   return buf;
 }
 
+namespace {
+// The allocation's process-unique id (0: none readable, not device memory).
+std::uint64_t buffer_id_of(const void* dev) {
+  auto& d = detail::driver();
+  unsigned long long id = 0;
+  if (!d.pointer_get_attribute ||
+      d.pointer_get_attribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, reinterpret_cast<CUdeviceptr>(dev)) != CUDA_SUCCESS)
+    return 0;
+  return id;
+}
+}  // namespace
+
 result<gpu_registration> gpu_registry::register_memory(const void* dev, std::size_t len, unsigned access_flags) {
   auto key = std::make_tuple(reinterpret_cast<std::uintptr_t>(dev), len, access_flags);
+  const std::uint64_t id = buffer_id_of(dev);
   if (auto it = cache_.find(key); it != cache_.end()) {
-    ++hits_;
-    return it->second;
+    if (id != 0 && it->second.buffer_id == id) {
+      ++hits_;
+      return it->second.reg;
+    }
+    // The allocation the entry describes is gone (freed, and maybe another
+    // at its address): its registration must not be used again.
+    ++stale_;
+    cache_.erase(it);
   }
+  auto reg = register_uncached(dev, len, access_flags);
+  if (!reg || id == 0) return reg;
+  return cache_.emplace(key, entry{std::move(*reg), id}).first->second.reg;
+}
+
+result<gpu_registration> gpu_registry::register_uncached(const void* dev, std::size_t len, unsigned access_flags) {
   gpu_registration reg;
   if (d_->kind() != transport_kind::verbs) {
     reg.reason = std::string(to_string(d_->kind())) + " provider: reads and writes host memory only";
-    return cache_.emplace(key, std::move(reg)).first->second;
+    return reg;
   }
   // 1. dma-buf
 #if defined(SHUTTLE_HAVE_VERBS) && defined(SHUTTLE_HAVE_VERBS_DMABUF)
@@ -144,7 +169,7 @@ result<gpu_registration> gpu_registry::register_memory(const void* dev, std::siz
       if (mr) {
         reg.path = gpu_path::dmabuf;
         reg.region = std::move(*mr);
-        return cache_.emplace(key, std::move(reg)).first->second;
+        return reg;
       }
       reg.reason += "dmabuf: ibv_reg_dmabuf_mr failed (" + mr.error().message() + "); ";
     }
@@ -159,14 +184,14 @@ result<gpu_registration> gpu_registry::register_memory(const void* dev, std::siz
     if (mr) {
       reg.path = gpu_path::peermem;
       reg.region = std::move(*mr);
-      return cache_.emplace(key, std::move(reg)).first->second;
+      return reg;
     }
     reg.reason += "peermem: ibv_reg_mr on the device pointer failed (" + mr.error().message() + "); ";
   } else {
     reg.reason += "peermem: nvidia_peermem not loaded; ";
   }
   // 3. staged
-  return cache_.emplace(key, std::move(reg)).first->second;
+  return reg;
 }
 
 void gpu_registry::forget(const void* dev) {

@@ -19,6 +19,7 @@
 // once both have exited (nothing touches an operation's buffers any more) are
 // the pending operations completed. A cancelled in-flight operation takes the
 // same path (NIC-safe cancellation, as verbs).
+#include "stats.hpp"
 #include "wire.hpp"
 
 #include <shuttle/channel.hpp>
@@ -29,13 +30,15 @@
 #include <shuttle/tcp.hpp>
 #include <shuttle/timer.hpp>
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 
 #include <array>
 #include <atomic>
 #include <deque>
 #include <map>
-#include <random>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -56,28 +59,92 @@ struct tcp_region final : region_impl {
   ~tcp_region() override;
 };
 
+// A range of a registration granted to one connection (memory_grant).
+struct grant_entry {
+  const void* conn = nullptr;  // the conn_state it was granted on: the only one that may use it
+  std::shared_ptr<tcp_region> region;
+  std::byte* addr = nullptr;
+  std::size_t length = 0;
+  unsigned access = 0;
+  std::uint32_t rkey = 0;
+  bool revoked = false;
+  std::size_t in_use = 0;  // accesses through it in progress (a payload being read in, a READ response out)
+  event idle{true};        // in_use == 0
+};
+
+// One access through a grant in progress: revoke waits until the last ends.
+class grant_use {
+ public:
+  grant_use() noexcept = default;
+  explicit grant_use(std::shared_ptr<grant_entry> e) noexcept : e_(std::move(e)) {
+    if (e_->in_use++ == 0) e_->idle.reset();
+  }
+  grant_use(grant_use&& o) noexcept : e_(std::move(o.e_)) {}
+  grant_use& operator=(grant_use&& o) noexcept {
+    if (this != &o) {
+      release();
+      e_ = std::move(o.e_);
+    }
+    return *this;
+  }
+  ~grant_use() { release(); }
+
+ private:
+  void release() noexcept {
+    if (e_ && --e_->in_use == 0) e_->idle.set();
+    e_.reset();
+  }
+  std::shared_ptr<grant_entry> e_;
+};
+
 struct domain_state {
   using cache_key = std::tuple<std::uintptr_t, std::size_t, unsigned>;
   std::unordered_map<std::uint32_t, std::weak_ptr<tcp_region>> table;
   std::map<cache_key, std::uint32_t> cache;
-  std::uint32_t next_key;
-
-  domain_state() {
-    std::random_device rd;
-    next_key = rd() | 1u;
-  }
+  // Unused random keys, drawn from the kernel's CSPRNG a batch at a time.
+  std::array<std::uint32_t, 32> random_keys{};
+  std::size_t random_left = 0;
 
   std::shared_ptr<tcp_region> find(std::uint32_t rkey) const {
     auto it = table.find(rkey);
     return it == table.end() ? nullptr : it->second.lock();
   }
 
-  std::uint32_t new_key() {
+  // An rkey a peer cannot predict from the ones it has seen: each is drawn
+  // from getrandom (a key is all a peer needs to access a region).
+  result<std::uint32_t> new_key() {
     for (;;) {
-      std::uint32_t k = next_key;
-      next_key = next_key * 2654435761u + 0x9E3779B9u;  // not sequential: guessing a key is not trivial
-      if (k != 0 && !table.contains(k)) return k;
+      if (random_left == 0) {
+        auto* p = reinterpret_cast<char*>(random_keys.data());
+        std::size_t got = 0;
+        while (got < sizeof random_keys) {
+          ssize_t n = ::getrandom(p + got, sizeof random_keys - got, 0);
+          if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno_code(errno);
+          }
+          got += static_cast<std::size_t>(n);
+        }
+        random_left = random_keys.size();
+      }
+      std::uint32_t k = random_keys[--random_left];
+      if (k != 0 && !table.contains(k) && !grants.contains(k)) return k;
     }
+  }
+
+  // Grants, by key (new_key's, as regions'): a peer cannot guess
+  // another's, and it is honoured only on its own connection.
+  std::unordered_map<std::uint32_t, std::shared_ptr<grant_entry>> grants;
+
+  std::shared_ptr<grant_entry> find_grant(std::uint32_t rkey, const void* conn) const {
+    auto it = grants.find(rkey);
+    return it == grants.end() || it->second->conn != conn ? nullptr : it->second;
+  }
+
+  // No access through `e` starts from now on.
+  void drop_grant(grant_entry& e) noexcept {
+    if (auto it = grants.find(e.rkey); it != grants.end() && it->second.get() == &e) grants.erase(it);
+    e.revoked = true;
   }
 };
 
@@ -108,6 +175,15 @@ struct out_frame {
   const std::byte* payload = nullptr;
   std::size_t len = 0;
   std::shared_ptr<tcp_region> hold;  // READ_RESP: the region stays registered while we send from it
+  grant_use use;                     // READ_RESP through a grant: its revoke waits until this is sent
+};
+
+std::atomic<std::size_t> receive_buffer_bytes{0};
+
+// Connections established through one listener and not finished yet
+// (listener_options::max_connections); shared, as connections outlive it.
+struct live_count {
+  std::uint32_t n = 0;
 };
 
 struct inbound {
@@ -127,7 +203,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
         remote(ep),
         slots(o.send_queue_depth),
         credits(peer_h.receive_buffers),
-        pool(std::size_t(o.receive_buffers) * o.receive_buffer_size),
+        slot_buffers(o.receive_buffers),
         inbox(o.receive_buffers) {
     lim.max_send = o.receive_buffer_size;
     free_slots.reserve(o.receive_buffers);
@@ -152,8 +228,10 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   std::deque<op_rec*> pending;
   event idle{true};
 
-  // Target side.
-  std::vector<std::byte> pool;
+  // Target side. A slot's receive buffer is allocated when a message first
+  // arrives for it and kept for the slot's later messages: an idle
+  // connection holds none, a busy one as many as the peer keeps in flight.
+  std::vector<std::unique_ptr<std::byte[]>> slot_buffers;
   std::vector<std::uint32_t> free_slots;
   channel<inbound> inbox;
   std::uint64_t ack_seq = 0, ack_sent = 0;
@@ -173,8 +251,24 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   bool finished = false;
   event finished_ev;
   std::stop_source stop;
+  std::shared_ptr<live_count> origin;  // the listener's count, for a connection it accepted
 
-  std::byte* slot_data(std::uint32_t slot) noexcept { return pool.data() + std::size_t(slot) * opts.receive_buffer_size; }
+  ~conn_state() {
+    std::size_t held = 0;
+    for (auto& b : slot_buffers) held += b ? opts.receive_buffer_size : 0;
+    receive_buffer_bytes.fetch_sub(held, std::memory_order_relaxed);
+  }
+
+  // The slot's receive buffer, allocated on first use, uninitialized (the
+  // payload is read into it); throws std::bad_alloc when memory is out.
+  std::byte* slot_data(std::uint32_t slot) {
+    auto& b = slot_buffers[slot];
+    if (!b) {
+      b = std::make_unique_for_overwrite<std::byte[]>(opts.receive_buffer_size);
+      receive_buffer_bytes.fetch_add(opts.receive_buffer_size, std::memory_order_relaxed);
+    }
+    return b.get();
+  }
 
   void wake_writer() {
     if (writer_waiter) ctx->post(std::exchange(writer_waiter, {}));
@@ -225,6 +319,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     }
     outq.clear();
     sock.close();
+    if (origin) --std::exchange(origin, nullptr)->n;
     finished = true;
     finished_ev.set();
   }
@@ -315,6 +410,12 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
         auto region = dom->find(h.rkey);
         region_view view;
         if (region) view = {region->addr, region->length, region->access};
+        grant_use use;  // an access through a grant (of this connection only) is in progress until it goes
+        if (auto g = region ? nullptr : dom->find_grant(h.rkey, this)) {
+          region = g->region;
+          view = {g->addr, g->length, g->access};
+          use = grant_use(std::move(g));
+        }
         bool atomic = h.op == opcode::cas || h.op == opcode::faa;
         auto target = check_access(view, h.addr, h.length, required_access(h.op), atomic);
         if (!target) {
@@ -346,6 +447,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
           resp.seq = h.seq;
           resp.length = h.length;
           queue_response(resp, p, h.length, std::move(region));
+          outq.back().use = std::move(use);
         } else {
           std::atomic_ref<std::uint64_t> word(*reinterpret_cast<std::uint64_t*>(p));
           std::uint64_t old;
@@ -729,11 +831,35 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   }
 };
 
+// A memory_grant: its entry in the domain's grant table.
+struct tcp_grant final : grant_impl {
+  std::shared_ptr<domain_state> dom;
+  std::shared_ptr<grant_entry> e;
+  remote_buffer remote() const noexcept override {
+    if (e->revoked) return {};
+    return {reinterpret_cast<std::uint64_t>(e->addr), e->rkey, e->length};
+  }
+  ~tcp_grant() override { dom->drop_grant(*e); }
+};
+
 class tcp_connection final : public connection_impl {
  public:
   explicit tcp_connection(std::shared_ptr<conn_state> s) noexcept
       : connection_impl(launch_table_of<tcp_connection>), s_(std::move(s)) {}
-  ~tcp_connection() override { s_->enter_error(err(errc::disconnected)); }
+  ~tcp_connection() override {
+    for (auto& g : grants_) s_->dom->drop_grant(*g);  // the connection's grants go with it
+    s_->enter_error(err(errc::disconnected));
+  }
+
+  task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,
+                                   unsigned rights) override {
+    return ready(make_grant(r, offset, len, rights));
+  }
+  task<result<void>> revoke(grant_impl& g) override {
+    auto e = static_cast<tcp_grant&>(g).e;
+    s_->dom->drop_grant(*e);
+    return wait_unused(std::move(e));
+  }
 
   // The tcp provider's operations stay coroutines: next to a socket round
   // trip, their frames cost nothing measurable.
@@ -887,10 +1013,47 @@ class tcp_connection final : public connection_impl {
     }
     result<void> take() override { return slot.take(); }
   };
+  result<memory_grant> make_grant(const memory_region& r, std::size_t offset, std::size_t len, unsigned rights) {
+    if (auto c = check_grant(r, offset, len, rights); !c) return c.error();
+    auto region = std::dynamic_pointer_cast<tcp_region>(r.impl());
+    if (!region || region->dom != s_->dom) return std::make_error_code(std::errc::invalid_argument);
+    if (s_->error || s_->stopping) return err(errc::disconnected);
+    auto e = std::make_shared<grant_entry>();
+    e->conn = s_.get();
+    e->region = std::move(region);
+    e->addr = e->region->addr + offset;
+    e->length = len;
+    e->access = rights;
+    auto key = s_->dom->new_key();
+    if (!key) return key.error();
+    e->rkey = *key;
+    s_->dom->grants[e->rkey] = e;
+    std::erase_if(grants_, [](const auto& g) { return g->revoked; });  // bounded by the live grants
+    grants_.push_back(e);
+    auto g = std::make_unique<tcp_grant>();
+    g->owner = this;
+    g->dom = s_->dom;
+    g->e = std::move(e);
+    return memory_grant(std::move(g));
+  }
+  static task<result<memory_grant>> ready(result<memory_grant> r) { co_return r; }
+  // Out of the table already: waits for the accesses through it in progress.
+  static task<result<void>> wait_unused(std::shared_ptr<grant_entry> e) {
+    while (e->in_use > 0)
+      if (auto r = co_await e->idle.wait(); !r) co_return r.error();
+    co_return result<void>{};
+  }
   std::shared_ptr<conn_state> s_;
+  std::vector<std::shared_ptr<grant_entry>> grants_;  // revoked with the connection
 };
 
 // ---------------------------------------------------------------- set-up
+
+}  // namespace
+
+std::size_t tcp_receive_buffer_bytes() noexcept { return receive_buffer_bytes.load(std::memory_order_relaxed); }
+
+namespace {
 
 result<void> check_options(const connection_options& o) {
   // No SRQ equivalent here (see connection_options::shared_receive_queue):
@@ -902,6 +1065,8 @@ result<void> check_options(const connection_options& o) {
   return {};
 }
 
+// The hello exchange. The connection's loops are not started here: a
+// handshake that loses its race against a deadline leaves nothing running.
 task<result<std::shared_ptr<conn_state>>> handshake(tcp_socket& sock, std::shared_ptr<domain_state> dom,
                                                     connection_options opts) {
   (void)sock.set_nodelay(true);
@@ -918,44 +1083,171 @@ task<result<std::shared_ptr<conn_state>>> handshake(tcp_socket& sock, std::share
   auto peer = decode_hello(theirs);
   if (!peer) co_return peer.error();
   auto ep = sock.remote_endpoint();
-  auto s = std::make_shared<conn_state>(std::move(sock), std::move(dom), opts, *peer, ep ? *ep : endpoint{});
-  s->start();
-  co_return s;
+  co_return std::make_shared<conn_state>(std::move(sock), std::move(dom), opts, *peer, ep ? *ep : endpoint{});
 }
 
 task<result<connection>> establish(tcp_socket sock, std::shared_ptr<domain_state> dom, connection_options opts) {
   auto s = co_await with_timeout(handshake(sock, std::move(dom), opts), opts.connect_timeout);
   if (!s) co_return s.error();
+  (*s)->start();
   co_return connection(std::make_unique<tcp_connection>(std::move(*s)));
 }
 
+// Runs `t` on the calling loop, owned by nobody; `token` cancels it.
+void spawn_detached(task<void> t, std::stop_token token) {
+  driver d = conn_state::run_detached(std::move(t));
+  d.set_stop_token(std::move(token));
+  d.on_done(nullptr, nullptr, true);
+  d.release().resume();
+}
+
+// Fails the connection once no byte has arrived from the peer for `limit`
+// (listener_options::idle_timeout). The kernel keeps the time of the last
+// data received (TCP_INFO's tcpi_last_data_recv), so nothing is done per
+// frame: this wakes about once per `limit` on a busy connection, and fires
+// between `limit` and `limit` plus a sixteenth of it after the last byte.
+task<void> idle_watch(std::shared_ptr<conn_state> s, std::chrono::milliseconds limit) {
+  const auto min_wait = std::max(limit / 16, std::chrono::milliseconds(1));
+  std::chrono::milliseconds wait = limit;
+  while (!s->stopping) {
+    if (!co_await sleep_for(wait)) break;  // the connection stopped
+    if (s->stopping || !s->sock.is_open()) break;
+    tcp_info info{};
+    socklen_t len = sizeof info;
+    if (::getsockopt(s->sock.native_handle(), IPPROTO_TCP, TCP_INFO, &info, &len) != 0) break;
+    const std::chrono::milliseconds quiet{info.tcpi_last_data_recv};
+    if (quiet >= limit) {
+      s->enter_error(err(errc::idle_timeout));
+      break;
+    }
+    wait = std::max(limit - quiet, min_wait);
+  }
+}
+
+// A listener's state, shared with its handshakes: they end a loop turn after
+// close() (their stop is requested) and may outlive it.
+struct listener_core {
+  listener_core(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim)
+      : sock(std::move(l)),
+        dom(std::move(d)),
+        opts(o),
+        limits(lim),
+        ready(std::max<std::uint32_t>(lim.accept_backlog, 1)) {}
+
+  tcp_listener sock;
+  std::shared_ptr<domain_state> dom;
+  connection_options opts;
+  listener_options limits;
+  channel<connection> ready;  // established, not yet taken by accept()
+  std::shared_ptr<live_count> live = std::make_shared<live_count>();
+  std::uint32_t handshakes = 0;  // in progress
+  std::error_code failure{};     // the listening socket's own error, for accept()
+  event established;             // set when a handshake puts a connection in `ready`, and on close
+  bool closed = false;
+  std::stop_source stop;
+
+  // Whether a new TCP connection may start its handshake; if not, it is
+  // closed at once (the peer reads EOF) and costs nothing more.
+  bool admits() const noexcept {
+    if (handshakes >= limits.max_handshakes) return false;
+    if (ready.size() >= ready.capacity()) return false;
+    if (limits.max_connections != 0 && live->n + handshakes >= limits.max_connections) return false;
+    return true;
+  }
+
+  void close() noexcept {
+    if (closed) return;
+    closed = true;
+    stop.request_stop();  // every handshake in progress ends, closing its socket
+    sock.close();
+    ready.close();
+    while (ready.try_receive()) {}  // established, never taken: closed here
+    established.set();              // accept() calls waiting fail
+  }
+
+  static bool transient(const std::error_code& ec) noexcept {
+    // Out of descriptors or memory, or a peer that gave up before accept:
+    // the listening socket itself is fine; back off and accept again.
+    return ec != std::errc::bad_file_descriptor && ec != std::errc::invalid_argument &&
+           ec != std::errc::not_a_socket && ec != std::errc::operation_not_supported &&
+           ec != std::errc::operation_canceled;
+  }
+
+  // Takes one TCP connection from the kernel and starts its handshake, or
+  // refuses it. Run by accept(): a socket it got is never lost, even when
+  // accept() stops waiting for it (a handshake finished first).
+  static task<void> accept_one(std::shared_ptr<listener_core> c) {
+    auto s = co_await c->sock.accept();
+    if (c->closed) co_return;
+    if (!s) {
+      if (s.error() == std::errc::operation_canceled) co_return;
+      if (transient(s.error())) {
+        (void)co_await sleep_for(std::chrono::milliseconds(10));
+        co_return;
+      }
+      c->failure = s.error();
+      c->ready.close();
+      c->established.set();
+      co_return;
+    }
+    if (!c->admits()) {
+      s->close();
+      co_return;
+    }
+    ++c->handshakes;
+    spawn_detached(handshake_one(c, std::move(*s)), c->stop.get_token());
+  }
+
+  static task<void> await_established(std::shared_ptr<listener_core> c) { (void)co_await c->established.wait(); }
+
+  // One peer's hello, with its own deadline, concurrently with the others.
+  static task<void> handshake_one(std::shared_ptr<listener_core> c, tcp_socket sock) {
+    auto s = co_await with_timeout(handshake(sock, c->dom, c->opts), c->limits.handshake_timeout);
+    --c->handshakes;
+    if (!s) co_return;  // a failed, late or cancelled hello: `sock` closes here
+    (*s)->origin = c->live;
+    ++c->live->n;
+    (*s)->start();
+    if (c->limits.idle_timeout.count() > 0)
+      spawn_detached(idle_watch(*s, c->limits.idle_timeout), (*s)->stop.get_token());
+    connection conn(std::make_unique<tcp_connection>(std::move(*s)));
+    // Closed meanwhile, or the backlog filled up since admits(): refused, and
+    // `conn` closes here.
+    if (!c->closed && c->ready.try_send(conn)) c->established.set();
+  }
+};
+
+// accept() takes TCP connections from the kernel and starts their handshakes,
+// which run in the background, each with its own deadline, until it finds
+// an established connection in the backlog. Nothing runs for the listener
+// while no accept() waits and no handshake is in progress, so a listener
+// closed then leaves nothing behind. See listener_options for the limits.
 class tcp_listener_impl final : public listener_impl {
  public:
   tcp_listener_impl(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim)
-      : l_(std::move(l)), dom_(std::move(d)), opts_(o), limits_(lim) {}
+      : c_(std::make_shared<listener_core>(std::move(l), std::move(d), o, lim)) {}
+  ~tcp_listener_impl() override { c_->close(); }
 
-  task<result<connection>> accept() override {
-    for (;;) {
-      auto s = co_await l_.accept();
-      if (!s) co_return s.error();
-      auto c = co_await establish(std::move(*s), dom_, opts_);
-      if (c) co_return std::move(*c);
-      // A client that failed its hello is dropped; wait for the next one.
-      std::stop_token t = co_await get_stop_token();
-      if (t.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
-    }
-  }
+  task<result<connection>> accept() override { return accept_impl(c_); }
   endpoint local_endpoint() const override {
-    auto e = l_.local_endpoint();
+    auto e = c_->sock.local_endpoint();
     return e ? *e : endpoint{};
   }
-  void close() noexcept override { l_.close(); }
+  void close() noexcept override { c_->close(); }
 
  private:
-  tcp_listener l_;
-  std::shared_ptr<domain_state> dom_;
-  connection_options opts_;
-  [[maybe_unused]] listener_options limits_;
+  static task<result<connection>> accept_impl(std::shared_ptr<listener_core> c) {
+    for (;;) {
+      if (auto conn = c->ready.try_receive()) co_return std::move(*conn);
+      if (c->closed || c->ready.closed())
+        co_return c->failure ? c->failure : std::make_error_code(std::errc::bad_file_descriptor);
+      c->established.reset();
+      co_await when_any(listener_core::accept_one(c), listener_core::await_established(c));
+      if ((co_await get_stop_token()).stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
+    }
+  }
+
+  std::shared_ptr<listener_core> c_;
 };
 
 class tcp_domain final : public domain_impl {
@@ -979,7 +1271,9 @@ class tcp_domain final : public domain_impl {
     r->addr = mem.data();
     r->length = mem.size();
     r->access = flags;
-    r->rkey = r->lkey = st_->new_key();
+    auto rkey = st_->new_key();
+    if (!rkey) return rkey.error();
+    r->rkey = r->lkey = *rkey;
     st_->table[r->rkey] = r;
     st_->cache[key] = r->rkey;
     return memory_region(std::move(r));

@@ -59,6 +59,16 @@ remote_buffer memory_region::remote(std::size_t offset, std::size_t len) const n
   return {reinterpret_cast<std::uint64_t>(impl_->addr) + offset, impl_->rkey, len};
 }
 
+// ---------------------------------------------------------------- memory_grant
+
+memory_grant::memory_grant() noexcept = default;
+memory_grant::memory_grant(std::unique_ptr<detail::grant_impl> impl) noexcept : impl_(std::move(impl)) {}
+memory_grant::memory_grant(memory_grant&&) noexcept = default;
+memory_grant& memory_grant::operator=(memory_grant&&) noexcept = default;
+memory_grant::~memory_grant() = default;
+remote_buffer memory_grant::remote() const noexcept { return impl_ ? impl_->remote() : remote_buffer{}; }
+memory_grant::operator bool() const noexcept { return impl_ && impl_->remote().rkey != 0; }
+
 // ---------------------------------------------------------------- connection
 
 namespace {
@@ -66,9 +76,15 @@ template <class T>
 task<result<T>> not_connected() {
   co_return make_error_code(errc::disconnected);
 }
+task<result<void>> invalid_grant() { co_return std::make_error_code(std::errc::invalid_argument); }
 }  // namespace
 
 namespace detail {
+task<result<memory_grant>> connection_impl::grant(const memory_region&, std::size_t, std::size_t, unsigned) {
+  co_return make_error_code(errc::not_supported);
+}
+task<result<void>> connection_impl::revoke(grant_impl&) { co_return make_error_code(errc::not_supported); }
+
 namespace {
 template <class T>
 void fail_disconnected(connection_impl*, const op_args&, op_slot<T>& out) {
@@ -103,6 +119,15 @@ result<prepared_operation> connection::prepare(const operation& op) {
   auto r = impl_->prepare(op);
   if (!r) return r.error();
   return prepared_operation(std::move(*r));
+}
+task<result<memory_grant>> connection::grant(const memory_region& r, std::size_t offset, std::size_t len,
+                                             unsigned rights) {
+  if (!impl_) return not_connected<memory_grant>();
+  return impl_->grant(r, offset, len, rights);
+}
+task<result<void>> connection::revoke(memory_grant& g) {
+  if (!g.impl() || g.impl()->owner != impl_.get() || !impl_) return invalid_grant();
+  return impl_->revoke(*g.impl());
 }
 task<result<void>> connection::close() { return impl_ ? impl_->close() : not_connected<void>(); }
 bool connection::is_open() const noexcept { return impl_ && impl_->is_open(); }

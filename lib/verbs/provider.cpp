@@ -44,6 +44,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/timerfd.h>
 #include <unistd.h>
 
@@ -81,7 +82,14 @@ constexpr std::uint32_t initial_receives = 0xffffffffu;
 // keep receives posted ahead of sends, so an RNR NAK means a peer that does
 // not post what it announced; 7 would retry forever.
 constexpr std::uint8_t rnr_retries = 3;
-constexpr std::size_t implicit_cache_max = 256;
+// Memory the library does not own (neither a live user registration nor its
+// own) is never registered for longer than one operation: nothing can tell
+// the library when such memory is unmapped (docs/memory-registration.md).
+// Send and write sources up to staging_slot_size are copied into a
+// registered staging slot; larger ones, read targets, and any operation
+// when every slot is taken, are registered for the operation alone.
+constexpr std::size_t staging_slot_size = 64 << 10;
+constexpr std::uint32_t staging_slots = 32;
 constexpr unsigned ack_batch = 64;
 
 std::error_code last_errno() noexcept { return errno_code(errno ? errno : EIO); }
@@ -166,9 +174,29 @@ struct verbs_region final : region_impl, std::enable_shared_from_this<verbs_regi
   ibv_mr* mr = nullptr;
   bool device_memory = false;  // dma-buf (GPU) memory: the CPU must not read it, so never inline
   std::shared_ptr<pd_holder> pd;
+  std::uint64_t seq = 0;  // creation order: the newest covering user registration wins
   ~verbs_region() override {
     if (mr) ibv_dereg_mr(mr);
   }
+};
+
+// Registered slots, one domain's, that sends and writes from memory the
+// library does not own are copied into (see staging_slot_size). A slot is
+// leased to one operation and comes back when the operation's hold on it
+// (a shared_ptr with staging_return as deleter) goes.
+struct staging_pool {
+  std::byte* mem = nullptr;
+  std::shared_ptr<verbs_region> region;
+  std::vector<std::uint32_t> free_slots;  // capacity reserved: returning never allocates
+  ~staging_pool() {
+    region.reset();  // deregistered before the pages go
+    if (mem) ::munmap(mem, std::size_t(staging_slots) * staging_slot_size);
+  }
+};
+struct staging_return {
+  std::shared_ptr<staging_pool> pool;
+  std::uint32_t slot;
+  void operator()(verbs_region*) const noexcept { pool->free_slots.push_back(slot); }
 };
 
 struct cm_evt {
@@ -228,6 +256,7 @@ std::error_code cm_error(const cm_evt& e) {
 
 struct conn_state;
 struct core;
+struct verbs_grant;
 
 // rdma_destroy_id of a handshake this side dropped after its REP was sent
 // waits in the kernel until the CM is done with it: seconds (seen in the
@@ -353,13 +382,17 @@ struct core final : poller, std::enable_shared_from_this<core> {
   std::vector<std::shared_ptr<conn_state>> graveyard;
   verbs::domain_stats st{};
 
-  // Registration cache: user registrations (weak, exact key for
-  // register_memory, covering ranges for operations) and implicit ones made
-  // for operations on unregistered memory (strong, LRU-bounded).
+  // The user's registrations (weak: alive while the user holds one),
+  // found by address for operations on memory they cover. Nothing else is
+  // cached: other memory is staged or registered per operation (transient).
   std::multimap<std::uintptr_t, std::weak_ptr<verbs_region>> user_regs;
+  std::uint64_t reg_seq = 0;
   std::size_t device_registrations = 0;  // dma-buf registrations ever made
-  std::multimap<std::uintptr_t, std::shared_ptr<verbs_region>> implicit;
-  std::deque<verbs_region*> implicit_order;
+  std::shared_ptr<staging_pool> staging;  // made on first use
+  // The staging lease or transient registration that find_region made for
+  // the operation being built: the operation takes it (take_hold) and holds
+  // it until it completes.
+  std::shared_ptr<verbs_region> op_owned;
 
   // Shared receive queue (created on first use), its buffers, and who uses it.
   ibv_srq* srq = nullptr;
@@ -386,7 +419,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   ~core() override {
     if (loop) loop->remove_poller(*this);
     if (cq_watch) cq_watch->destroy();
-    implicit.clear();
+    op_owned.reset();
     // Every QP is gone (each held a reference to this core): the SRQ can go.
     if (srq) ibv_destroy_srq(srq);
     if (srq_pool) {
@@ -529,6 +562,11 @@ struct core final : poller, std::enable_shared_from_this<core> {
     return r;
   }
 
+  // Memory windows (connection::grant): type 2 ones bound on a QP.
+  bool has_type2_windows() const noexcept {
+    return (dattr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
+  }
+
   static unsigned normalize(unsigned flags) noexcept {
     unsigned a = flags & access::all;
     if (a & (access::remote_write | access::remote_atomic)) a |= access::local_write;
@@ -554,7 +592,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
     r->rkey = mr->rkey;
     r->device_memory = true;
     ++device_registrations;
-    user_regs.emplace(static_cast<std::uintptr_t>(iova), r);
+    add_user_region(r);
     return memory_region(r);
   }
 #endif
@@ -566,26 +604,26 @@ struct core final : poller, std::enable_shared_from_this<core> {
     return sp && sp->device_memory;
   }
 
+  // Every call registers anew, as ibv_reg_mr does: an earlier region of the
+  // same range may describe pages that are no longer mapped there (its
+  // memory freed while the user still held it), and nothing can tell.
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned flags) {
-    auto key = reinterpret_cast<std::uintptr_t>(mem.data());
-    unsigned want = normalize(flags);
-    auto [b, e] = user_regs.equal_range(key);
-    for (auto it = b; it != e;) {
-      auto sp = it->second.lock();
-      if (!sp) {
-        it = user_regs.erase(it);
-        continue;
-      }
-      if (sp->length == mem.size() && sp->access == want) {
-        ++st.cache_hits;
-        return memory_region(sp);
-      }
-      ++it;
-    }
     auto r = reg(mem, flags);
     if (!r) return r.error();
-    user_regs.emplace(key, *r);
+    add_user_region(*r);
     return memory_region(*r);
+  }
+  void add_user_region(const std::shared_ptr<verbs_region>& r) {
+    auto key = reinterpret_cast<std::uintptr_t>(r->addr);
+    auto [b, e] = user_regs.equal_range(key);  // drop the expired ones of this address
+    for (auto it = b; it != e;) it = it->second.expired() ? user_regs.erase(it) : std::next(it);
+    r->seq = ++reg_seq;
+    user_regs.emplace(key, r);
+    // Operations find the newest registration covering their memory, not
+    // the one they used last.
+    last_region.reset();
+    last_ptr = nullptr;
+    last_base = last_end = 0;
   }
 
   void remember(const std::shared_ptr<verbs_region>& r) noexcept {
@@ -595,22 +633,22 @@ struct core final : poller, std::enable_shared_from_this<core> {
     last_end = last_base + r->length;
   }
 
+  // The newest live registration covering [a, a+len) (with local write if
+  // asked), among the 64 nearest at or below `a`.
   template <class Map>
   static std::shared_ptr<verbs_region> find_cover(Map& m, std::uintptr_t a, std::size_t len, bool need_write) {
     auto it = m.upper_bound(a);
+    std::shared_ptr<verbs_region> best;
     for (int steps = 0; it != m.begin() && steps < 64; ++steps) {
       --it;
-      std::shared_ptr<verbs_region> sp;
-      if constexpr (std::is_same_v<typename Map::mapped_type, std::weak_ptr<verbs_region>>)
-        sp = it->second.lock();
-      else
-        sp = it->second;
+      std::shared_ptr<verbs_region> sp = it->second.lock();
       if (!sp) continue;
       auto base = reinterpret_cast<std::uintptr_t>(sp->addr);
       bool writable = (sp->access & access::local_write) != 0;
-      if (a >= base && a + len <= base + sp->length && (!need_write || writable)) return sp;
+      if (a >= base && a + len <= base + sp->length && (!need_write || writable) && (!best || sp->seq > best->seq))
+        best = std::move(sp);
     }
-    return nullptr;
+    return best;
   }
 
   // The registration local_region found last: operations on one buffer in
@@ -620,51 +658,86 @@ struct core final : poller, std::enable_shared_from_this<core> {
   verbs_region* last_ptr = nullptr;  // last_region's object, while it has not expired
   std::uintptr_t last_base = 0, last_end = 0;
 
-  // A registration covering `mem` for a local sge. Not a reference: the
-  // registration is alive until user code runs again (the user's handle or
-  // the implicit cache holds it), which is all an operation that completes
+  // A registration covering `mem` for a local sge. For the user's memory,
+  // not a reference: the registration is alive until user code runs again
+  // (the user's handle holds it), which is all an operation that completes
   // while it is launched needs; one that waits takes a reference (hold).
-  // No reference counting on the latency path of an operation.
-  result<verbs_region*> local_region(std::span<const std::byte> mem, bool need_write) {
+  // No reference counting on the latency path of an operation on
+  // registered memory. Other memory: see find_region.
+  result<verbs_region*> local_region(std::span<const std::byte> mem, bool need_write, bool may_stage, ibv_sge& sge) {
     auto a = reinterpret_cast<std::uintptr_t>(mem.data());
     if (a >= last_base && a <= last_end && mem.size() <= last_end - a && !last_region.expired() &&
         (!need_write || (last_ptr->access & access::local_write))) {
       ++st.cache_hits;
       return last_ptr;
     }
-    return find_region(mem, need_write);
+    return find_region(mem, need_write, may_stage, sge);
   }
-  // local_region past the last registration: the maps, else a new one.
-  [[gnu::noinline]] result<verbs_region*> find_region(std::span<const std::byte> mem, bool need_write) {
+  // local_region past the last registration: a user registration covering
+  // `mem`, else (memory the library cannot watch) a staging slot that the
+  // bytes are copied into now (sge then points at it; `may_stage`: a send
+  // or write source whose bytes may be taken now), else a registration for
+  // this operation alone. Either is left in op_owned for the operation to
+  // hold until it completes; neither is ever found by another operation.
+  [[gnu::noinline]] result<verbs_region*> find_region(std::span<const std::byte> mem, bool need_write, bool may_stage,
+                                                      ibv_sge& sge) {
     auto a = reinterpret_cast<std::uintptr_t>(mem.data());
-    auto sp = find_cover(user_regs, a, mem.size(), need_write);
-    if (!sp) sp = find_cover(implicit, a, mem.size(), need_write);
-    if (sp) {
+    if (auto sp = find_cover(user_regs, a, mem.size(), need_write)) {
       ++st.cache_hits;
       remember(sp);
       return sp.get();
+    }
+    if (may_stage && !need_write && mem.size() <= staging_slot_size) {
+      if (auto lease = stage(mem)) {
+        sge.addr = reinterpret_cast<std::uintptr_t>(staging->mem) + std::uintptr_t(lease->slot) * staging_slot_size;
+        op_owned = std::move(lease->hold);
+        return staging->region.get();
+      }
     }
     std::span<std::byte> m(const_cast<std::byte*>(mem.data()), mem.size());
     auto r = reg(m, access::local_write);
     if (!r && !need_write) r = reg(m, 0);  // read-only memory (a send source)
     if (!r) return r.error();
-    implicit.emplace(a, *r);
-    implicit_order.push_back(r->get());
-    remember(*r);
-    if (implicit_order.size() > implicit_cache_max) {
-      verbs_region* old = implicit_order.front();
-      implicit_order.pop_front();
-      auto [b, e] = implicit.equal_range(reinterpret_cast<std::uintptr_t>(old->addr));
-      for (auto it = b; it != e; ++it)
-        if (it->second.get() == old) {
-          implicit.erase(it);
-          break;
-        }
+    ++st.transient_registrations;
+    op_owned = std::move(*r);
+    return op_owned.get();
+  }
+  struct staging_lease {
+    std::uint32_t slot;
+    std::shared_ptr<verbs_region> hold;
+  };
+  // `mem` copied into a free staging slot, if one is (the pool is made and
+  // registered on first use).
+  std::optional<staging_lease> stage(std::span<const std::byte> mem) {
+    if (!staging) {
+      const std::size_t bytes = std::size_t(staging_slots) * staging_slot_size;
+      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return std::nullopt;
+      auto pool = std::make_shared<staging_pool>();
+      pool->mem = static_cast<std::byte*>(p);
+      auto r = reg({pool->mem, bytes}, 0);
+      if (!r) return std::nullopt;  // the pool unmaps its pages
+      pool->region = std::move(*r);
+      pool->free_slots.reserve(staging_slots);
+      for (std::uint32_t i = staging_slots; i > 0; --i) pool->free_slots.push_back(i - 1);
+      staging = std::move(pool);
     }
-    return r->get();  // the implicit cache holds it
+    if (staging->free_slots.empty()) return std::nullopt;
+    const std::uint32_t slot = staging->free_slots.back();
+    staging->free_slots.pop_back();
+    std::memcpy(staging->mem + std::size_t(slot) * staging_slot_size, mem.data(), mem.size());
+    ++st.staged;
+    // The slab's region, held as a lease: its deleter returns the slot.
+    return staging_lease{slot, std::shared_ptr<verbs_region>(staging->region.get(), staging_return{staging, slot})};
   }
   // A reference to what local_region returned, for an operation that waits.
   static std::shared_ptr<verbs_region> hold(verbs_region* r) { return r ? r->shared_from_this() : nullptr; }
+  // What an operation holds while it waits: the staging lease or transient
+  // registration find_region just made, else a reference to `r`.
+  std::shared_ptr<verbs_region> take_hold(verbs_region* r) {
+    if (op_owned) return std::move(op_owned);
+    return hold(r);
+  }
 };
 
 // ------------------------------------------------------------------ connection state
@@ -753,6 +826,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   struct ctrl_ctx : wr_ctx {
     conn_state* c = nullptr;
   } ctrl;
+
+  std::vector<verbs_grant*> grants;  // memory windows bound on this QP (connection::grant)
 
   ibv_mr* scratch_mr = nullptr;
   std::uint64_t* scratch = nullptr;
@@ -1673,8 +1748,12 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   // Local sge for user memory: inline when small (no registration). The
   // registration, if any, is core::local_region's (no reference).
+  // `may_stage`: the bytes of memory the library does not own may be copied
+  // into a staging slot now (not for a prepared operation: each start sends
+  // the memory's bytes of then).
   [[gnu::always_inline]] result<verbs_region*> local_sge(std::span<const std::byte> mem, bool need_write,
-                                                         bool may_inline, ibv_send_wr& wr, ibv_sge& sge) {
+                                                         bool may_inline, ibv_send_wr& wr, ibv_sge& sge,
+                                                         bool may_stage = true) {
     sge.addr = reinterpret_cast<std::uintptr_t>(mem.data());
     sge.length = static_cast<std::uint32_t>(mem.size());
     if (mem.empty()) return nullptr;
@@ -1683,7 +1762,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       wr.send_flags |= IBV_SEND_INLINE;
       return nullptr;
     }
-    auto r = dom->local_region(mem, need_write);
+    auto r = dom->local_region(mem, need_write, may_stage, sge);
     if (!r) return r.error();
     sge.lkey = (*r)->lkey;
     return r;
@@ -1790,11 +1869,76 @@ void core::reap_graveyard() {
 
 // ------------------------------------------------------------------ connection
 
+// A memory_grant: a type 2 memory window bound on its connection's QP, to
+// a registration of exactly the granted range (window_mr). That
+// registration has no remote rights of its own (its rkey opens nothing) and
+// its bounds are the grant's: Soft-RoCE checks a window's key, QP and
+// rights, but an access's bounds only against the registration under it.
+struct verbs_grant final : grant_impl {
+  std::shared_ptr<conn_state> conn;
+  std::shared_ptr<verbs_region> region;  // the user's registration (the grant keeps it, as documented)
+  ibv_mr* window_mr = nullptr;
+  ibv_mw* mw = nullptr;
+  remote_buffer granted{};
+  bool bound = false;
+  remote_buffer remote() const noexcept override { return bound ? granted : remote_buffer{}; }
+  // Deallocating a bound window invalidates it; its registration goes after it.
+  static void free_window(ibv_mw* mw, ibv_mr* mr) noexcept {
+    if (mw) ibv_dealloc_mw(mw);
+    if (mr) ibv_dereg_mr(mr);
+  }
+  void release() noexcept {
+    bound = false;
+    free_window(std::exchange(mw, nullptr), std::exchange(window_mr, nullptr));
+  }
+  ~verbs_grant() override {
+    release();
+    std::erase(conn->grants, this);
+  }
+};
+
 class verbs_connection final : public connection_impl {
  public:
   explicit verbs_connection(std::shared_ptr<conn_state> s)
       : connection_impl(launch_table_of<verbs_connection>), s_(std::move(s)) {}
-  ~verbs_connection() override { s_->shutdown(); }
+  ~verbs_connection() override {
+    for (verbs_grant* g : s_->grants) g->release();  // the connection's windows go before its QP
+    s_->shutdown();
+  }
+
+  task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,
+                                   unsigned rights) override {
+    conn_state* s = s_.get();
+    if (auto c = check_grant(r, offset, len, rights); !c) return ready(c.error());
+    auto vr = std::dynamic_pointer_cast<verbs_region>(r.impl());
+    if (!vr || vr->pd != s->dom->pdh) return ready(std::make_error_code(std::errc::invalid_argument));
+    if (!s->dom->has_type2_windows() || vr->device_memory) return ready(make_error_code(errc::not_supported));
+    if (!s->usable()) return ready(disconnected());
+    auto g = std::make_unique<verbs_grant>();
+    g->owner = this;
+    g->conn = s_;
+    g->region = std::move(vr);
+    std::byte* base = g->region->addr + offset;
+    // Local write only where the user's registration has it (read-only memory cannot be pinned for writing).
+    const int mr_access = IBV_ACCESS_MW_BIND | ((g->region->access & access::local_write) ? IBV_ACCESS_LOCAL_WRITE : 0);
+    g->window_mr = ibv_reg_mr(s->dom->pd, base, len, mr_access);
+    if (!g->window_mr) return ready(last_errno());
+    g->mw = ibv_alloc_mw(s->dom->pd, IBV_MW_TYPE_2);
+    if (!g->mw)
+      return ready(errno == EOPNOTSUPP || errno == ENOSYS ? make_error_code(errc::not_supported) : last_errno());
+    s->grants.push_back(g.get());
+    const auto addr = reinterpret_cast<std::uint64_t>(base);
+    return bind(std::move(g), addr, len, rights);
+  }
+  task<result<void>> revoke(grant_impl& gi) override {
+    auto& g = static_cast<verbs_grant&>(gi);
+    if (!g.bound) {  // revoked already, or its connection gone
+      g.release();
+      return ready_void({});
+    }
+    g.bound = false;
+    return invalidate(s_, std::exchange(g.mw, nullptr), std::exchange(g.window_mr, nullptr), g.granted.rkey);
+  }
 
   // The single operations (launch_table_of): each is inlined into its
   // table entry, so that co_await reaches ibv_post_send through one call.
@@ -1836,7 +1980,7 @@ class verbs_connection final : public connection_impl {
   // the opcode, the remote side, the immediate. `credit`: it consumes a
   // receive on the peer. The registration, if any, is local_sge's.
   static result<verbs_region*> build_wr(conn_state* s, const operation& o, ibv_send_wr& wr, ibv_sge& sge,
-                                        bool& credit) {
+                                        bool& credit, bool may_stage = true) {
     bool need_write = false, may_inline = true;
     credit = false;
     switch (o.op) {
@@ -1865,7 +2009,7 @@ class verbs_connection final : public connection_impl {
       default: return std::make_error_code(std::errc::invalid_argument);
     }
     if (o.local.size() > (std::size_t(1) << 31)) return make_error_code(errc::message_too_long);
-    return s->local_sge(o.local, need_write, may_inline, wr, sge);
+    return s->local_sge(o.local, need_write, may_inline, wr, sge, may_stage);
   }
 
   task<result<void>> post_batch(std::span<const operation> ops) override {
@@ -1880,7 +2024,10 @@ class verbs_connection final : public connection_impl {
       auto r = build_wr(s.get(), ops[i], wrs[i], sges[i], cr);
       if (!r) co_return r.error();
       credit[i] = cr;
-      if (*r && (keep.empty() || keep.back().get() != *r)) keep.push_back(core::hold(*r));
+      if (s->dom->op_owned)
+        keep.push_back(std::move(s->dom->op_owned));  // this operation's own staging slot or registration
+      else if (*r && (keep.empty() || keep.back().get() != *r))
+        keep.push_back(core::hold(*r));
     }
     co_return co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep));
   }
@@ -1908,9 +2055,9 @@ class verbs_connection final : public connection_impl {
 
   result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override {
     auto p = std::make_unique<prepared_state>(s_);
-    auto r = build_wr(s_.get(), o, p->op.wr, p->op.sge, p->op.credit);
+    auto r = build_wr(s_.get(), o, p->op.wr, p->op.sge, p->op.credit, false);
     if (!r) return r.error();
-    p->region = core::hold(*r);
+    p->region = s_->dom->take_hold(*r);  // memory not the user's registered: for the prepared operation's life
     p->op.set_post_fields();
     p->inline_send = p->op.wr.opcode == IBV_WR_SEND_WITH_IMM && (p->op.wr.send_flags & IBV_SEND_INLINE) != 0;
     p->read_or_write = p->op.wr.opcode == IBV_WR_RDMA_READ || p->op.wr.opcode == IBV_WR_RDMA_WRITE;
@@ -1940,7 +2087,7 @@ class verbs_connection final : public connection_impl {
         : op(c, opcode, credit, atomic_result) {}
     bool start() noexcept { return op.done; }
     std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) {
-      keep = core::hold(region);
+      if (!keep) keep = core::hold(region);  // else the operation's own, from finish_setup
       op.suspend(h, std::move(t));
       return std::noop_coroutine();
     }
@@ -2121,12 +2268,15 @@ class verbs_connection final : public connection_impl {
                                                  result<verbs_region*> region) {
     if (!region) return out.set_result(region.error());
     conn_state* s = st.op.c;
+    if (s->dom->op_owned) [[unlikely]]
+      st.keep = std::move(s->dom->op_owned);  // a staging slot or transient registration: until it completes
     if (s->try_reserve(st.op.credit)) {
       st.region = *region;
       if (st.op.await_ready()) out.settle(st, st.take());
       return;
     }
-    auto t = s->execute(st.op.wr, st.op.sge, st.op.credit, st.op.atomic_result, core::hold(*region));
+    auto t = s->execute(st.op.wr, st.op.sge, st.op.credit, st.op.atomic_result,
+                        st.keep ? std::move(st.keep) : core::hold(*region));
     if constexpr (std::is_void_v<T>)
       out.set_task(drop_value(std::move(t)));
     else
@@ -2163,6 +2313,41 @@ class verbs_connection final : public connection_impl {
     finish_setup(out, st, nullptr);
   }
 
+  static task<result<memory_grant>> ready(std::error_code ec) { co_return ec; }
+  static task<result<void>> ready_void(std::error_code ec) {
+    if (ec) co_return ec;
+    co_return result<void>{};
+  }
+  // An IBV_WR_BIND_MW on the QP, awaited: the window answers to the new
+  // key, from this QP's peer only (type 2).
+  static task<result<memory_grant>> bind(std::unique_ptr<verbs_grant> g, std::uint64_t addr, std::size_t len,
+                                         unsigned rights) {
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.bind_mw.mw = g->mw;
+    wr.bind_mw.rkey = ibv_inc_rkey(g->mw->rkey);
+    wr.bind_mw.bind_info.mr = g->window_mr;
+    wr.bind_mw.bind_info.addr = addr;
+    wr.bind_mw.bind_info.length = len;
+    wr.bind_mw.bind_info.mw_access_flags = static_cast<int>(rights);  // ibv_access_flags values
+    auto r = co_await g->conn->execute(wr, ibv_sge{}, false, false, nullptr);
+    if (!r) co_return r.error();  // g goes: the window is deallocated
+    g->granted = {addr, wr.bind_mw.rkey, len};
+    g->bound = true;
+    co_return memory_grant(std::move(g));
+  }
+  // An IBV_WR_LOCAL_INV of the window on the QP, awaited; then the window
+  // is deallocated. A QP in the error state takes no access any more: the
+  // flushed invalidation is as good.
+  static task<result<void>> invalidate(std::shared_ptr<conn_state> s, ibv_mw* mw, ibv_mr* mr, std::uint32_t rkey) {
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_LOCAL_INV;
+    wr.invalidate_rkey = rkey;
+    auto r = co_await s->execute(wr, ibv_sge{}, false, false, nullptr);
+    verbs_grant::free_window(mw, mr);
+    if (!r && r.error() != disconnected()) co_return r.error();
+    co_return result<void>{};
+  }
   std::shared_ptr<conn_state> s_;
 };
 

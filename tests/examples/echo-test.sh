@@ -57,11 +57,63 @@ run_client --size 65537 --duration 1
 grep -q "larger than the connection's max_message_size() of 65536" "$work/client.log" ||
   fail "no clear error for an oversized --size"
 
-kill -INT "$pid"
-wait "$pid"
-src=$?
-pid=
-cat "$work/server.log"
-[ $src = 0 ] || fail "server exit status $src after SIGINT"
-grep -q "served [0-9]* connections, echoed [0-9]* bytes" "$work/server.log" || fail "no summary from the server"
+# Clients one after another and at once against one server: each must get
+# back its own bytes, not memory an earlier client's connection used (a
+# registration that outlived its buffer served stale bytes: issue 37).
+clients_in_a_row() {  # SIZE N
+  for i in $(seq "$2"); do
+    echo "== client $i of $2 in a row, $1-byte messages"
+    run_client --size "$1" --duration 1 --json
+    check_json
+  done
+}
+clients_at_once() {  # SIZE N
+  echo "== $2 clients at once, $1-byte messages"
+  local pids=() i
+  for i in $(seq "$2"); do
+    "$client" --host "$addr" --port "$port" --transport "$transport" --connect-timeout 20 --size "$1" \
+      --duration 1 --json >"$work/client$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in $(seq "$2"); do
+    wait "${pids[$((i - 1))]}"
+    rc=$?
+    cat "$work/client$i.log"
+    cp "$work/client$i.log" "$work/client.log"
+    check_json
+  done
+}
+if [ "$transport" = rdma ]; then
+  for size in 4096 65536; do
+    clients_in_a_row $size 3
+    clients_at_once $size 3
+  done
+fi
+
+stop_server() {
+  kill -INT "$pid"
+  wait "$pid"
+  src=$?
+  pid=
+  cat "$work/server.log"
+  [ $src = 0 ] || fail "server exit status $src after SIGINT"
+  grep -q "served [0-9]* connections, echoed [0-9]* bytes" "$work/server.log" || fail "no summary from the server"
+}
+stop_server
+
+if [ "$transport" = rdma ]; then
+  # 1 MiB messages: a server whose receive buffers are that large.
+  "$server" --port 0 --transport "$transport" --bind "$addr" --max-message 1048576 >"$work/server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do
+    grep -q "listening on port" "$work/server.log" && break
+    kill -0 "$pid" 2>/dev/null || fail "the 1 MiB server exited before listening"
+    sleep 0.1
+  done
+  port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$work/server.log")
+  [ -n "$port" ] || fail "the 1 MiB server did not listen within 60 s"
+  clients_in_a_row 1048576 3
+  clients_at_once 1048576 3
+  stop_server
+fi
 echo "echo-test: OK ($transport)"

@@ -13,6 +13,9 @@ Starts SERVER (shuttle-echo-server) with --threads 2 and SERVER_ARGS, then:
      that sends megabytes and vanishes without reading; the server keeps
      serving;
   4. SIGTERM: exit status 0 and the summary line.
+Then a server with one thread gets a client that sends without end and
+never reads its replies: the other clients of that thread (the same
+receive ring with --recv-ring) still get their echoes.
 Then a second server with a file-descriptor limit of 48 gets 80
 connections: it logs and backs off, serves the connections that fit, and
 serves the waiting ones once descriptors free up; SIGINT ends it cleanly.
@@ -44,7 +47,7 @@ def fail(msg, server=None):
 
 
 class Server:
-    def __init__(self, exe, args, nofile=None):
+    def __init__(self, exe, args, nofile=None, threads=2):
         self.log = tempfile.TemporaryFile(mode="w+")
         limits = None
         if nofile is not None:
@@ -57,7 +60,7 @@ class Server:
                 want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
                 if soft < want:
                     resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        self.proc = subprocess.Popen([exe, "--port", "0", "--threads", "2", *args], stdout=self.log,
+        self.proc = subprocess.Popen([exe, "--port", "0", "--threads", str(threads), *args], stdout=self.log,
                                      stderr=subprocess.STDOUT, preexec_fn=limits)
         deadline = time.time() + TIMEOUT
         self.port = None
@@ -118,6 +121,42 @@ def echo_check(port, payload, what):
     if bytes(got) != payload:
         at = next((i for i in range(min(len(got), len(payload))) if got[i] != payload[i]), min(len(got), len(payload)))
         fail("%s: echo of %d bytes differs at byte %d (%d received)" % (what, len(payload), at, len(got)))
+
+
+def fill_without_reading(port, limit=256 << 20):
+    """A client that sends until the server takes no more (nothing moves for
+    a second, or `limit` bytes) and never reads its replies."""
+    s = connect(port)
+    s.setblocking(False)
+    sent = 0
+    chunk = b"\xee" * 65536
+    idle_since = time.time()
+    while sent < limit and time.time() - idle_since < 1.0:
+        try:
+            sent += s.send(chunk)
+            idle_since = time.time()
+        except BlockingIOError:
+            time.sleep(0.01)
+    return s, sent
+
+
+def echo_within(port, payload, what, server):
+    """One echo, each wait bounded by TIMEOUT; a clear failure otherwise."""
+    s = connect(port)
+    try:
+        s.sendall(payload)
+        got = b""
+        while len(got) < len(payload):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    except socket.timeout:
+        fail("%s: no echo within %d s" % (what, TIMEOUT), server)
+    finally:
+        s.close()
+    if got != payload:
+        fail("%s: got %r back" % (what, got[:64]), server)
 
 
 def run_client(client, port, *args):
@@ -197,8 +236,62 @@ def main():
     srv.stop(signal.SIGTERM)
     print("   SIGTERM: exit 0, " + [l for l in srv.text().splitlines() if "served" in l][-1].strip())
 
+    print("== a client that never reads its replies (one server thread)")
+    srv = Server(server_exe, extra, threads=1)
+    port = srv.port
+    greedy, sent = fill_without_reading(port)
+    srv.alive()
+    for i in range(3):
+        echo_within(port, b"served next to a client that never reads %d" % i, "a good client", srv)
+    run_client(client_exe, port, "--connections", "8", "--size", "4096", "--duration", "0.5")
+    print("   %d MB sent and never read back by one client: the others still get their echoes" % (sent >> 20))
+    greedy.close()
+    srv.stop(signal.SIGTERM)
+
+    out_of_descriptors(server_exe, extra)
+    print("echo-tcp-test: OK")
+    return 0
+
+
+# UBSan's vptr check, on a (type, vtable) pair its cache has not seen, asks
+# whether the vtable's memory is readable by writing it into a pipe()
+# (sanitizer_common's IsAccessibleMemoryRange); with fewer than two
+# descriptors free that pipe fails, and the check reports "object has invalid
+# vptr" for a valid object. This case keeps the server's descriptor table full
+# on purpose, so such a report can come from any check there (shared_ptr's
+# control block, the receive ring), on a loaded machine more often; a reserve
+# descriptor would not do (the pipe takes two, and another thread may check
+# while accept has the table full). The GCC runtime reads no suppression file,
+# so the server runs with halt_on_error=0 and the case judges its reports:
+# "invalid vptr" (the probe could not read the vtable) is ignored, as
+# -fno-sanitize=vptr would; a type mismatch on a readable vtable ("object is
+# of type ...") and every other report fail the case.
+UNREADABLE_VPTR = ("which does not point to an object of type", "note: object has invalid vptr")
+
+
+def sanitizer_reports(text):
+    """The UBSan reports in a server log: (first line, the lines up to the next report)."""
+    reports, cur = [], None
+    for line in text.splitlines():
+        if "runtime error:" in line:
+            cur = [line]
+            reports.append(cur)
+        elif cur is not None:
+            cur.append(line)
+    return reports
+
+
+def out_of_descriptors(server_exe, extra):
     print("== out of file descriptors (RLIMIT_NOFILE 48, 80 connections)")
-    srv = Server(server_exe, extra, nofile=48)
+    ubsan_before = os.environ.get("UBSAN_OPTIONS")
+    os.environ["UBSAN_OPTIONS"] = (ubsan_before + ":" if ubsan_before else "") + "halt_on_error=0"
+    try:
+        srv = Server(server_exe, extra, nofile=48)
+    finally:
+        if ubsan_before is None:
+            del os.environ["UBSAN_OPTIONS"]
+        else:
+            os.environ["UBSAN_OPTIONS"] = ubsan_before
     port = srv.port
     held = [connect(port) for _ in range(80)]
     # Every connection sends; those accepted echo, the others wait in the backlog.
@@ -249,8 +342,15 @@ def main():
     print("   logged and backed off; the %d waiting connections were served once descriptors were free" % 40)
     srv.stop(signal.SIGINT)
     print("   SIGINT: exit 0")
-    print("echo-tcp-test: OK")
-    return 0
+    tolerated = 0
+    for report in sanitizer_reports(srv.text()):
+        text = "\n".join(report)
+        if all(sig in text for sig in UNREADABLE_VPTR):
+            tolerated += 1
+        else:
+            fail("sanitizer report while out of descriptors:\n" + text, srv)
+    if tolerated:
+        print("   %d UBSan \"invalid vptr\" report(s) while out of descriptors, ignored" % tolerated)
 
 
 if __name__ == "__main__":

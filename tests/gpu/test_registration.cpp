@@ -5,6 +5,8 @@
 
 #include <unistd.h>
 
+#include <vector>
+
 using namespace shuttle;
 
 TEST_CASE("a tcp domain stages device memory; the choice is cached") {
@@ -60,4 +62,56 @@ TEST_CASE("driver features") {
   MESSAGE("driver " << f.driver_version << ", stream mem ops " << f.stream_mem_ops << ", flush " << f.flush_remote_writes
                     << ", dma-buf " << f.dmabuf_export);
   CHECK(f.driver_version > 0);
+}
+
+// Issue 37: after cudaFree and a cudaMalloc that returns the same address,
+// a cached entry describes the freed allocation (on verbs, its dma-buf or
+// peermem MR pins the old pages). The registry checks each hit against the
+// allocation's CU_POINTER_ATTRIBUTE_BUFFER_ID; the lookup is the same for
+// every provider, so a tcp domain (no NIC needed) exercises it.
+TEST_CASE("a registration of freed device memory is not returned for a new allocation at its address") {
+  io_context ctx;
+  domain_options o;
+  o.kind = transport_kind::tcp;
+  auto d = domain::open(o).value();
+  cuda::gpu_registry reg(d);
+  constexpr std::size_t len = 2 << 20;
+  const unsigned acc = access::local_write | access::remote_write;
+  void* first = nullptr;
+  REQUIRE(cudaMalloc(&first, len) == cudaSuccess);
+  REQUIRE(reg.register_memory(first, len, acc).has_value());
+  REQUIRE(reg.register_memory(first, len, acc).has_value());
+  CHECK(reg.hits() == 1);  // the same allocation: a hit
+  CHECK(reg.stale_dropped() == 0);
+  REQUIRE(cudaFree(first) == cudaSuccess);
+  // Allocate until the address comes back (usually at once); keep the
+  // misses so that the allocator cannot hand them out again.
+  std::vector<void*> misses;
+  void* again = nullptr;
+  for (int i = 0; i < 64 && again != first; ++i) {
+    void* p = nullptr;
+    REQUIRE(cudaMalloc(&p, len) == cudaSuccess);
+    if (p == first)
+      again = p;
+    else
+      misses.push_back(p);
+  }
+  const std::string came_back = again == first ? "yes" : "no";
+  MESSAGE("same address again after " << misses.size() << " other allocations: " << came_back);
+  if (again == first) {
+    auto r = reg.register_memory(again, len, acc);
+    REQUIRE(r.has_value());
+    CHECK(reg.hits() == 1);  // not served from the entry of the freed allocation
+    CHECK(reg.stale_dropped() == 1);
+    CHECK(reg.size() == 1);  // the stale entry replaced
+    REQUIRE(reg.register_memory(again, len, acc).has_value());
+    CHECK(reg.hits() == 2);  // the new entry serves the new allocation
+    CHECK(reg.stale_dropped() == 1);
+    (void)cudaFree(again);
+  }
+  for (void* p : misses) (void)cudaFree(p);
+  // Memory that is not the device's has no buffer id: registered, not cached.
+  std::vector<std::byte> host(4096);
+  REQUIRE(reg.register_memory(host.data(), host.size(), acc).has_value());
+  CHECK(reg.size() == (again == first ? 1u : 0u));
 }

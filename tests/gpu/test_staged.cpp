@@ -134,3 +134,48 @@ TEST_CASE("staged: one bounce buffer and one slot; credits carry over between tr
   CHECK(snd.stats().credit_messages + 1 == rcv.stats().credit_messages);
   ctx.run(gpu_test::close_pair(p));
 }
+
+TEST_CASE("staged: the copy of a chunk waits for its producer, even a slow one") {
+  // The source holds pattern A; the first chunk's producer spins before it
+  // writes pattern B, and every later producer is queued behind it on the
+  // same stream. A copy not ordered after its producer reads A; the
+  // receiver must see B everywhere. (The earlier cases cannot tell: their
+  // producers finish long before the loop starts copying, or the source
+  // already holds what the producer writes.)
+  io_context ctx;
+  gpu_test::pair_t p;
+  ctx.run(gpu_test::make_pair(p));
+  cuda::gpu_sender snd;
+  cuda::gpu_receiver rcv;
+  cuda::staged_options o;
+  o.chunk = 256 << 10;
+  o.sender_buffers = 2;
+  o.receiver_slots = 4;
+  ctx.run(open_channel(p, snd, rcv, o));
+  cuda::stream s_send, s_recv;
+  const std::size_t chunks = 8, len = chunks * o.chunk - 777;
+  const std::uint32_t seed_a = 7, seed_b = 8;
+  REQUIRE(cuda::kernels::pattern_checksum(len, 0, seed_a) != cuda::kernels::pattern_checksum(len, 0, seed_b));
+  cuda::device_buffer src(len), dst(len);
+  REQUIRE(cuda::kernels::fill_pattern(src.data(), len, 0, seed_a, s_send) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(dst.data(), 0, len, s_recv) == cudaSuccess);
+  s_send.synchronize();
+  s_recv.synchronize();
+  std::size_t produced = 0;
+  auto before = [&](std::size_t i, std::size_t off, std::size_t n, cudaStream_t s) {
+    ++produced;
+    // 100 ms: far longer than the loop takes to enqueue the first copy.
+    if (i == 0) REQUIRE(cuda::kernels::spin(100'000'000, s) == cudaSuccess);
+    REQUIRE(cuda::kernels::fill_pattern(src.data() + off, n, off, seed_b, s) == cudaSuccess);
+  };
+  auto [a, b] = ctx.run(when_all(snd.send(src.data(), len, s_send, before), rcv.recv(dst.data(), len, s_recv)));
+  REQUIRE(a.has_value());
+  REQUIRE(b.has_value());
+  CHECK(snd.path() == cuda::gpu_path::staged);
+  CHECK(produced == chunks);
+  s_recv.synchronize();
+  const auto got = gpu_test::device_checksum(dst.data(), len, 0, s_recv);
+  CHECK(got != cuda::kernels::pattern_checksum(len, 0, seed_a));  // the copies did not read the old source
+  CHECK(got == cuda::kernels::pattern_checksum(len, 0, seed_b));
+  ctx.run(gpu_test::close_pair(p));
+}

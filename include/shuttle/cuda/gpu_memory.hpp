@@ -73,7 +73,12 @@ result<int> export_dmabuf(const void* dev, std::size_t len, std::uint64_t* offse
 result<void> make_rdma_writes_visible();
 
 // The per-domain cache of device-memory registrations. Entries live until
-// forget() or the registry's end (which deregisters them).
+// forget() or the registry's end (which deregisters them). Each entry keeps
+// the allocation's CU_POINTER_ATTRIBUTE_BUFFER_ID (unique in the process,
+// never reused): a hit whose allocation was freed and another one made at
+// the same address (cudaFree, cudaMalloc) has another id, and is dropped
+// and registered anew, as NCCL and UCX validate their caches. Memory whose
+// id cannot be read is registered but not cached.
 class gpu_registry {
  public:
   explicit gpu_registry(domain& d) : d_(&d) {}
@@ -84,12 +89,19 @@ class gpu_registry {
   void forget(const void* dev);
   std::size_t size() const noexcept { return cache_.size(); }
   std::uint64_t hits() const noexcept { return hits_; }
+  std::uint64_t stale_dropped() const noexcept { return stale_; }  // hits refused: another allocation now
   domain& dom() const noexcept { return *d_; }
 
  private:
   domain* d_;
-  std::map<std::tuple<std::uintptr_t, std::size_t, unsigned>, gpu_registration> cache_;
+  struct entry {
+    gpu_registration reg;
+    std::uint64_t buffer_id = 0;
+  };
+  result<gpu_registration> register_uncached(const void* dev, std::size_t len, unsigned access_flags);
+  std::map<std::tuple<std::uintptr_t, std::size_t, unsigned>, entry> cache_;
   std::uint64_t hits_ = 0;
+  std::uint64_t stale_ = 0;
 };
 
 }  // namespace shuttle::cuda

@@ -16,6 +16,16 @@ class region_impl {
   std::uint32_t rkey = 0;
 };
 
+// A provider's memory_grant. Its destructor revokes it without waiting.
+class grant_impl {
+ public:
+  virtual ~grant_impl() = default;
+  // The granted range and the grant's key; empty once revoked.
+  virtual remote_buffer remote() const noexcept = 0;
+  // Its connection (identity only: never dereferenced by the front).
+  const connection_impl* owner = nullptr;
+};
+
 // The single operations are not virtual: a provider hands its table to the
 // constructor (launch_table_of), and connection_op calls into it directly.
 class connection_impl {
@@ -30,6 +40,11 @@ class connection_impl {
   virtual transport_kind kind() const noexcept = 0;
   virtual std::size_t max_message_size() const noexcept = 0;
   virtual endpoint remote_endpoint() const noexcept = 0;
+  // connection::grant / revoke (`g` is one of this connection's); a
+  // provider without per-connection exposure: errc::not_supported.
+  virtual task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,
+                                           unsigned rights);
+  virtual task<result<void>> revoke(grant_impl& g);
 };
 
 inline std::span<const std::byte> local_of(const op_args& a) noexcept { return {a.data, a.size}; }
@@ -79,6 +94,18 @@ inline constexpr launch_table launch_table_of = {
     &launchers<C>::read,           &launchers<C>::compare_and_swap,
     &launchers<C>::fetch_and_add,
 };
+
+// connection::grant's checks that need no provider: the registration's
+// domain is the provider's to check.
+inline result<void> check_grant(const memory_region& r, std::size_t offset, std::size_t len,
+                                unsigned rights) noexcept {
+  constexpr unsigned remote_rights = access::remote_write | access::remote_read | access::remote_atomic;
+  if (!r || len == 0 || rights == 0 || (rights & ~remote_rights) != 0)
+    return std::make_error_code(std::errc::invalid_argument);
+  if (offset > r.size() || len > r.size() - offset) return std::make_error_code(std::errc::result_out_of_range);
+  if ((r.access() & rights) != rights) return std::make_error_code(std::errc::permission_denied);
+  return {};
+}
 
 class listener_impl {
  public:

@@ -74,6 +74,11 @@ struct domain_stats {
   std::uint64_t cq_events = 0;       // completion-channel wake-ups
   std::uint64_t registrations = 0;   // ibv_reg_mr calls
   std::uint64_t cache_hits = 0;      // operations served by the registration cache
+  // Operations on memory no live user registration covers (never cached:
+  // docs/memory-registration.md): copied into a registered staging slot,
+  // or registered for that operation alone.
+  std::uint64_t staged = 0;
+  std::uint64_t transient_registrations = 0;
   std::size_t live_connections = 0;  // QPs not destroyed yet (incl. draining)
   // Listeners of the domain (listener_options): requests refused at once (a
   // cap, a bad hello, no resources), handshakes dropped at their deadline,

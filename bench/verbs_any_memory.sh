@@ -1,0 +1,47 @@
+#!/bin/bash
+# What not caching registrations of memory the library does not own costs
+# (docs/memory-registration.md): verbs_perf's send_bw and write_bw rows
+# (--slots 1, depth 128; 4 KiB and 64 KiB) with the client's buffer
+# registered, and left unregistered (shuttle-perf --unregistered: staged
+# through the domain's registered slots, or registered per operation). One
+# Soft-RoCE guest (MTU 9000), REPS (default 3) pairs per row in alternating
+# order; the verdict is on the median of the pairs' any/registered ratios
+# (target >= 0.95).
+# Usage: [REPS=3] bench/verbs_any_memory.sh [BUILD_DIR]
+set -euo pipefail
+here=$(dirname "$(readlink -f "$0")")
+if [ "${1:-}" = --in-guest ]; then
+  perf=$2
+  # shellcheck source=guest_common.sh
+  . "$here/guest_common.sh"
+  work=$(mktemp -d)
+  port=19500
+  run() {  # TEST SIZE ITERS EXTRA... -> bw_avg MB/s
+    port=$((port + 1))
+    $perf $O --bind $addr --port $port --slots 1 >$work/s.log 2>&1 &
+    local spid=$!
+    wait_for $work/s.log listening || { kill $spid; echo nan; return; }
+    timeout 120 $perf $addr $O --port $port --slots 1 --test $1 --size $2 --iters $3 --depth 128 "${@:4}" --json \
+      >$work/c.log 2>&1 || { cat $work/c.log >&2; kill $spid 2>/dev/null; echo nan; return; }
+    wait $spid 2>/dev/null || true
+    grep '^{' $work/c.log | python3 -c 'import json,sys; print("%.1f" % json.loads(sys.stdin.readline())["bw_avg_mb_s"])'
+  }
+  printf "%-9s %-6s %12s %12s %8s %s\n" test bytes registered any ratio "pairs (any/registered)"
+  for size in 4096 65536; do
+    n=$([ $size = 4096 ] && echo 5000 || echo 1000)
+    for t in write_bw send_bw; do
+      regs=() anys=() ratios=()
+      for i in $(seq "${REPS:-3}"); do
+        if [ $((i % 2)) = 1 ]; then r=$(run $t $size $n); a=$(run $t $size $n --unregistered)
+        else a=$(run $t $size $n --unregistered); r=$(run $t $size $n); fi
+        regs+=("$r") anys+=("$a") ratios+=("$(python3 -c "print('%.3f' % ($a / $r))")")
+      done
+      med() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
+      printf "%-9s %-6s %12s %12s %8s %s\n" $t $size "$(med "${regs[@]}")" "$(med "${anys[@]}")" "$(med "${ratios[@]}")" "${ratios[*]}"
+    done
+  done
+  exit 0
+fi
+build=${1:-build}
+exec bash tests/softrdma/guest-run.sh -M 9000 -t 1500 -e REPS="${REPS:-3}" -- \
+  bash "$here/verbs_any_memory.sh" --in-guest "$(readlink -f "$build/examples/shuttle-perf")"
