@@ -219,6 +219,7 @@ struct load_params {
   std::size_t size = 64;
   std::size_t recv_ring = 0;
   bool register_files = true;
+  std::uint64_t requests = 0;  // per connection; 0: as many as the duration allows
 };
 
 task<void> connect_socket(thread_state& ts, std::size_t slot, shuttle::endpoint ep,
@@ -364,7 +365,7 @@ task<void> connection_loop(thread_state& ts, connection& c, load_params lp, stea
     return c.socket.read_exact(in);
   };
   std::uint64_t seq = 0;
-  for (; steady::now() < deadline; ++seq) {
+  for (; lp.requests ? seq < lp.requests : steady::now() < deadline; ++seq) {
     fill_pattern(out, ts.pool, c.id, seq);
     const auto t0 = steady::now();
     std::error_code ec;
@@ -449,7 +450,10 @@ task<void> run_load(thread_state& ts, load_params lp, steady::time_point deadlin
                     std::max<std::size_t>(lp.size, 16384));
   for (auto& c : ts.connections)
     if (c.is_open()) scope.spawn(connection_loop(ts, c, lp, deadline));
-  (void)co_await shuttle::when_any(wait_event(ts.all_done), wait_until(deadline));
+  if (deadline == steady::time_point::max())
+    co_await wait_event(ts.all_done);
+  else
+    (void)co_await shuttle::when_any(wait_event(ts.all_done), wait_until(deadline));
   scope.request_stop();
   co_await scope.join();
 }
@@ -484,6 +488,7 @@ struct options {
   std::size_t connections = 1;
   std::size_t size = 64;
   double duration = 5;
+  std::uint64_t requests = 0;
   std::size_t threads = 1;
   double connect_timeout = 5;
   bool json = false;
@@ -494,13 +499,15 @@ struct options {
 
 const char* const kUsage =
     "usage: shuttle-echo-client --port P [--host H] [--connections C] [--size S] [--duration T]\n"
-    "       [--threads N] [--connect-timeout T] [--json] [--transport T] [--recv-ring N]\n"
+    "       [--requests N] [--threads N] [--connect-timeout T] [--json] [--transport T] [--recv-ring N]\n"
     "       [--no-registered-files]\n"
     "  --host H             server address or name (default 127.0.0.1)\n"
     "  --port P             server port\n"
     "  --connections C      concurrent connections (default 1)\n"
     "  --size S             bytes per request (default 64)\n"
     "  --duration T         seconds of load, fractions allowed (default 5)\n"
+    "  --requests N         instead of a duration: N requests per connection, however long\n"
+    "                       they take (a check that must not depend on the machine's speed)\n"
     "  --threads N          client threads; connections are spread over them (default 1)\n"
     "  --connect-timeout T  seconds allowed for each connect (default 5)\n"
     "  --json               also print the results as one JSON line (the last line)\n"
@@ -528,6 +535,7 @@ options parse_options(int argc, char** argv) {
               {"--connections", [&](std::string_view v) { o.connections = p.count("--connections", v, 1, 1'000'000); }},
               {"--size", [&](std::string_view v) { o.size = p.count("--size", v, 1, 1ull << 30); }},
               {"--duration", [&](std::string_view v) { o.duration = p.seconds("--duration", v); }},
+              {"--requests", [&](std::string_view v) { o.requests = p.count("--requests", v, 1, 1ull << 40); }},
               {"--threads", [&](std::string_view v) { o.threads = p.count("--threads", v, 1, 1024); }},
               {"--connect-timeout", [&](std::string_view v) { o.connect_timeout = p.seconds("--connect-timeout", v); }},
               {"--transport",
@@ -564,7 +572,7 @@ int run_client(const options& o) {
   // Phase 1: connect.
   const auto timeout = to_ns(o.connect_timeout);
   const auto connect_start = steady::now();
-  const load_params lp{o.transport, o.size, o.recv_ring, o.register_files};
+  const load_params lp{o.transport, o.size, o.recv_ring, o.register_files, o.requests};
   on_every_thread(rt, [&](std::size_t i) { return connect_all(*states[i], *ep, timeout, lp); });
   const double connect_s = std::chrono::duration<double>(steady::now() - connect_start).count();
 
@@ -599,7 +607,8 @@ int run_client(const options& o) {
   // can show.
   const double cpu0 = process_cpu_s();
   const auto start = steady::now();
-  const auto deadline = start + to_ns(o.duration);
+  // With --requests the connections end by themselves (or fail): no deadline.
+  const auto deadline = o.requests ? steady::time_point::max() : start + to_ns(o.duration);
   if (connected > 0)
     on_every_thread(rt, [&](std::size_t i) { return run_load(*states[i], lp, deadline); });
   const double elapsed = std::chrono::duration<double>(steady::now() - start).count();

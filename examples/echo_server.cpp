@@ -521,7 +521,11 @@ task<shuttle::result<void>> open_transport(transport_server& srv, const options&
   shuttle::connection_options copts;
   copts.receive_buffers = receive_buffers_for(opts.max_message);
   copts.receive_buffer_size = opts.max_message;
-  auto l = srv.domain->listen(ep, copts, opts.limits);
+  auto limits = opts.limits;
+  limits.on_refused = [](const shuttle::endpoint& peer, std::string_view why) {
+    log_throttled("peer " + peer.to_string() + ": " + std::string(why));
+  };
+  auto l = srv.domain->listen(ep, copts, limits);
   if (!l) {
     srv.step = "cannot listen on " + ep.to_string() + " over " + srv.domain->describe();
     srv.domain.reset();

@@ -22,7 +22,10 @@ libdir=$(dirname "$(find "$work/stage" -name 'libshuttle.so' | head -n 1)")
 # shellcheck disable=SC2046
 g++ -std=c++20 -Wall -Wextra -Werror tests/consumer/main.cpp -o "$work/consumer" $(pkg-config --cflags --libs shuttle)
 LD_LIBRARY_PATH=$libdir "$work/consumer"
-LD_LIBRARY_PATH=$libdir ldd "$work/consumer" | grep -q "$libdir/libshuttle.so" || { echo "test-consumers: not linked to the installed libshuttle.so"; exit 1; }
+# ldd's whole output first: `ldd | grep -q` under pipefail fails whenever
+# grep exits on its match before ldd has written the rest (SIGPIPE).
+deps=$(LD_LIBRARY_PATH=$libdir ldd "$work/consumer")
+grep -q "$libdir/libshuttle.so" <<<"$deps" || { echo "test-consumers: not linked to the installed libshuttle.so"; exit 1; }
 
 echo "== shuttle as a meson subproject"
 mkdir -p "$work/proj/subprojects"

@@ -31,10 +31,12 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include <shuttle/detail/connection_op.hpp>
 #include <shuttle/error.hpp>
@@ -236,6 +238,10 @@ struct listener_options {
   // of data (the kernel's time of the last data received, checked about
   // once per timeout); it fails up to about a sixteenth of it late.
   std::chrono::milliseconds idle_timeout{0};
+  // Told, on the listener's loop, of each peer refused or dropped before
+  // accept() could return it (a cap, a deadline, a bad hello), with its
+  // address and the reason: what an operator's log needs. Optional.
+  std::function<void(const endpoint& peer, std::string_view why)> on_refused;
 };
 
 // One operation of a batch (connection::post_batch). Atomics are not

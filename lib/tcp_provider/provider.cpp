@@ -164,11 +164,22 @@ struct op_rec {
   bool done = false;
   bool cancelled = false;
   bool owns_slot = false;  // a batch's: its send-queue slot is returned when it completes
+  bool holds_responder = false;  // READ/atomic: one of the peer's responder units, returned on completion
   std::error_code ec{};
   std::uint64_t value = 0;
 };
 
 bool is_ack_type(opcode op) noexcept { return op == opcode::send || op == opcode::write || op == opcode::write_imm; }
+// Requests that take one of the responder's units (its response is queued).
+bool needs_responder(opcode op) noexcept { return op == opcode::read_req || op == opcode::cas || op == opcode::faa; }
+
+// Frames the reader handles in one go before it gives the loop turn back:
+// a peer that keeps the socket full must not starve the other connections.
+inline constexpr unsigned reader_frame_budget = 64;
+// How long what we owe a peer (a NAK and the peer's close after it, or on
+// close() the last ACK and credits) may take to go out: a peer that does not
+// read holds the connection no longer than this.
+inline constexpr std::chrono::milliseconds linger{2000};
 
 struct out_frame {
   std::array<std::byte, header_size> hdr{};
@@ -176,6 +187,7 @@ struct out_frame {
   std::size_t len = 0;
   std::shared_ptr<tcp_region> hold;  // READ_RESP: the region stays registered while we send from it
   grant_use use;                     // READ_RESP through a grant: its revoke waits until this is sent
+  bool response = false;             // READ_RESP/ATOMIC_RESP: counts against our responder units
 };
 
 std::atomic<std::size_t> receive_buffer_bytes{0};
@@ -203,6 +215,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
         remote(ep),
         slots(o.send_queue_depth),
         credits(peer_h.receive_buffers),
+        responder_units(peer_h.max_responder_ops),
         slot_buffers(o.receive_buffers),
         inbox(o.receive_buffers) {
     lim.max_send = o.receive_buffer_size;
@@ -224,6 +237,8 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   semaphore credits;
   std::size_t credit_waiters = 0;
   std::uint32_t credits_out = 0;  // consumed, not yet returned by the peer
+  semaphore responder_units;      // the peer's READ/atomic requests we may have outstanding
+  std::size_t responder_waiters = 0;
   std::uint64_t next_seq = 1;
   std::deque<op_rec*> pending;
   event idle{true};
@@ -238,11 +253,18 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   std::uint32_t credits_to_return = 0;
   std::size_t messages_out = 0;
   std::shared_ptr<conn_state> keepalive;  // while messages are out
+  std::uint32_t responses_queued = 0;     // READ/atomic responses in outq (bounded: hello's max_responder_ops)
+  event responder_room{true};             // set while responses_queued is below it
+  // The frame being read: its receive slot, or the operation its payload completes.
+  std::uint32_t cur_slot = 0;
+  op_rec* cur_op = nullptr;
+  grant_use cur_use;  // a WRITE through a grant whose payload is being read in: revoke waits for it
 
   // Writer.
   std::deque<out_frame> outq;
   std::coroutine_handle<> writer_waiter{};
   bool nak_then_drain = false;
+  clock::time_point nak_deadline{};  // nak_then_drain: when the loops give up on the NAK and the peer
 
   // State.
   std::error_code error{};  // what pending/later operations fail with
@@ -276,6 +298,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
 
   void complete(op_rec* r, std::error_code ec, std::uint64_t v) {
     if (r->owns_slot) slots.release();
+    if (r->holds_responder) responder_units.release();
     r->done = true;
     r->ec = ec;
     r->value = v;
@@ -287,19 +310,33 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     // Operations waiting for a slot or a credit wake and see the error.
     slots.release(slot_waiters);
     credits.release(credit_waiters);
+    responder_units.release(responder_waiters);
     inbox.close();
     idle.set();
   }
 
   // The connection goes to the error state: stop both loops; `finish` runs
-  // once both have exited.
+  // once both have exited. After a NAK the loops end by themselves (the
+  // writer once the NAK is out, the reader once the peer closed, both by
+  // nak_deadline): whoever drops the connection meanwhile (its application,
+  // on its peer_access_refused) must not cut the NAK off.
   void enter_error(std::error_code ec) {
     set_error(ec);
     if (stopping) return;
     stopping = true;
+    if (!nak_then_drain) abort_io();
+  }
+
+  void abort_io() {
     if (sock.is_open()) (void)sock.shutdown(SHUT_RDWR);
     stop.request_stop();
     wake_writer();
+  }
+
+  // What an operation started after the error fails with: why this side
+  // failed where it knows (it refused the peer's access), else disconnected.
+  std::error_code later_error() const {
+    return error == errc::peer_access_refused ? error : err(errc::disconnected);
   }
 
   void loop_exited() {
@@ -379,34 +416,42 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     f.payload = payload;
     f.len = len;
     f.hold = std::move(hold);
+    f.response = h.op == opcode::read_resp || h.op == opcode::atomic_resp;
+    if (f.response && ++responses_queued >= our_responder_ops()) responder_room.reset();
     outq.push_back(std::move(f));
     wake_writer();
   }
 
-  enum class action { next, drain, protocol, io };
+  static constexpr std::uint32_t our_responder_ops() noexcept { return default_responder_ops; }
 
-  // Target side of one request, or initiator side of one response.
-  task<action> handle(const header& h) {
+  enum class action { next, payload, wait_room, drain, protocol, io };
+
+  // Target side of one request, or initiator side of one response, up to its
+  // payload: action::payload sets `dst`, and once the payload is there
+  // finish_payload completes the frame. Plain calls, no coroutine: a frame
+  // costs the reader no frame of its own, and the stack stays flat however
+  // many frames arrive at once.
+  action begin_frame(const header& h, std::span<std::byte>& dst) {
     switch (h.op) {
       case opcode::send: {
-        if (free_slots.empty()) co_return action::protocol;  // the peer ignored its credits
-        std::uint32_t slot = free_slots.back();
-        auto r = co_await read_exact(std::span(slot_data(slot), h.length));
-        if (!r) co_return action::io;
+        if (free_slots.empty()) return action::protocol;  // the peer ignored its credits
+        // Taken off the list before the payload read waits: a message
+        // released meanwhile pushes its slot, which a pop after the read
+        // would take instead of this one (left free under a held message).
+        cur_slot = free_slots.back();
         free_slots.pop_back();
-        inbound in{slot, h.length, {}};
-        if (h.flags & flag_imm) in.imm = h.imm;
-        (void)inbox.try_send(in);
-        ack_seq = h.seq;
-        wake_writer();
-        co_return action::next;
+        dst = std::span(slot_data(cur_slot), h.length);
+        return action::payload;
       }
       case opcode::write:
       case opcode::write_imm:
       case opcode::read_req:
       case opcode::cas:
       case opcode::faa: {
-        if (h.op == opcode::write_imm && free_slots.empty()) co_return action::protocol;
+        // Past our responder units the peer is not read from until responses
+        // go out: its requests wait in its socket, not in our memory.
+        if (needs_responder(h.op) && !responder_room.is_set()) return action::wait_room;
+        if (h.op == opcode::write_imm && free_slots.empty()) return action::protocol;
         auto region = dom->find(h.rkey);
         region_view view;
         if (region) view = {region->addr, region->length, region->access};
@@ -424,24 +469,22 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
           n.st = status::remote_access_error;
           n.seq = h.seq;
           queue_response(n);
-          set_error(err(errc::disconnected));
           nak_then_drain = true;
-          co_return action::drain;
+          nak_deadline = clock::now() + linger;
+          set_error(err(errc::peer_access_refused));
+          return action::drain;
         }
         std::byte* p = *target;
         if (h.op == opcode::write || h.op == opcode::write_imm) {
-          auto r = co_await read_exact(std::span(p, h.length));
-          if (!r) co_return action::io;
-          if (h.op == opcode::write_imm) {
-            if (free_slots.empty()) co_return action::protocol;
-            std::uint32_t slot = free_slots.back();
+          if (h.op == opcode::write_imm) {  // its slot taken now, as a SEND's
+            cur_slot = free_slots.back();
             free_slots.pop_back();
-            inbound in{slot, 0, h.imm};
-            (void)inbox.try_send(in);
           }
-          ack_seq = h.seq;
-          wake_writer();
-        } else if (h.op == opcode::read_req) {
+          cur_use = std::move(use);
+          dst = std::span(p, h.length);
+          return action::payload;
+        }
+        if (h.op == opcode::read_req) {
           header resp;
           resp.op = opcode::read_resp;
           resp.seq = h.seq;
@@ -463,86 +506,151 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
           resp.arg0 = old;
           queue_response(resp);
         }
-        co_return action::next;
+        return action::next;
       }
       case opcode::ack:
-        co_return ack_upto(h.seq) ? action::next : action::protocol;
+        return ack_upto(h.seq) ? action::next : action::protocol;
       case opcode::nak: {
         op_rec* r = answered(h.seq);
-        if (!r) co_return action::protocol;
+        if (!r) return action::protocol;
         r->ec = h.st == status::remote_access_error ? err(errc::remote_access_error)
                                                     : err(errc::remote_operation_error);
-        co_return action::io;  // the connection is in error; r completes with its own error
+        return action::io;  // the connection is in error; r completes with its own error
       }
       case opcode::read_resp: {
         op_rec* r = answered(h.seq);
-        if (!r || r->op != opcode::read_req || r->read_dst.size() != h.length) co_return action::protocol;
-        auto rr = co_await read_exact(r->read_dst);
-        if (!rr) co_return action::io;
-        pop_complete(r, {}, 0);
-        co_return action::next;
+        if (!r || r->op != opcode::read_req || r->read_dst.size() != h.length) return action::protocol;
+        cur_op = r;  // stays the front: only the reader pops, and finish() waits for the reader
+        dst = r->read_dst;
+        return action::payload;
       }
       case opcode::atomic_resp: {
         op_rec* r = answered(h.seq);
-        if (!r || (r->op != opcode::cas && r->op != opcode::faa)) co_return action::protocol;
+        if (!r || (r->op != opcode::cas && r->op != opcode::faa)) return action::protocol;
         pop_complete(r, {}, h.arg0);
-        co_return action::next;
+        return action::next;
       }
       case opcode::credit: {
-        if (h.arg0 > credits_out) co_return action::protocol;
+        if (h.arg0 > credits_out) return action::protocol;
         credits_out -= static_cast<std::uint32_t>(h.arg0);
         credits.release(h.arg0);
-        co_return action::next;
+        return action::next;
       }
     }
-    co_return action::protocol;
+    return action::protocol;
   }
 
-  // read_exact that first takes what the socket already holds with a plain
-  // non-blocking recv straight into `buf` (still no user-space copy): a
-  // frame's payload, and often the next header, are there by the time its
-  // header is parsed, and a loop turn through io_uring costs more than the
-  // syscall. What is missing is awaited through io_uring.
-  task<result<void>> read_exact(std::span<std::byte> buf) {
-    while (!buf.empty()) {
-      ssize_t n = ::recv(sock.native_handle(), buf.data(), buf.size(), MSG_DONTWAIT);
+  // The frame whose payload begin_frame asked for is complete.
+  void finish_payload(const header& h) {
+    if (h.op == opcode::read_resp) {
+      pop_complete(std::exchange(cur_op, nullptr), {}, 0);
+      return;
+    }
+    if (h.op == opcode::send || h.op == opcode::write_imm) {
+      inbound in{cur_slot, h.op == opcode::send ? h.length : 0, {}};
+      if (h.flags & flag_imm) in.imm = h.imm;
+      (void)inbox.try_send(in);
+    }
+    cur_use = {};
+    ack_seq = h.seq;  // SEND, WRITE, WRITE_IMM
+    wake_writer();
+  }
+
+  // Takes what the socket already holds with a plain non-blocking recv
+  // straight into `buf` (still no user-space copy): a frame's payload, and
+  // often the next header, are there by the time its header is parsed, and a
+  // loop turn through io_uring costs more than the syscall. Returns the bytes
+  // taken (fewer than asked: the rest must be awaited), or the error.
+  result<std::size_t> recv_now(std::span<std::byte> buf) {
+    std::size_t got = 0;
+    while (got < buf.size()) {
+      ssize_t n = ::recv(sock.native_handle(), buf.data() + got, buf.size() - got, MSG_DONTWAIT);
       if (n > 0) {
-        buf = buf.subspan(static_cast<std::size_t>(n));
+        got += static_cast<std::size_t>(n);
         continue;
       }
-      if (n == 0) co_return err(errc::eof);
+      if (n == 0) return err(errc::eof);
       if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) co_return errno_code(errno);
-      co_return co_await sock.read_exact(buf);
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return errno_code(errno);
+      break;
     }
-    co_return result<void>{};
+    return got;
   }
 
+  // The reader is one coroutine whose only suspensions are real waits (the
+  // socket, the responder units) and the budget's yield: everything a frame
+  // needs when its bytes are there runs in plain calls.
   static task<void> reader_loop(std::shared_ptr<conn_state> s) {
     std::array<std::byte, header_size> hb{};
     std::error_code ec = err(errc::disconnected);
+    unsigned frames = 0;  // handled since the loop turn began
     for (;;) {
-      auto r = co_await s->read_exact(hb);
-      if (!r) break;
+      auto got = s->recv_now(hb);
+      if (!got) break;
+      if (*got < header_size) {
+        auto r = co_await s->sock.read_exact(std::span(hb).subspan(*got));
+        if (!r) break;
+        frames = 0;  // resumed by the loop: a new turn
+      }
       auto h = decode_header(hb, s->lim);
       if (!h) {
         ec = err(errc::protocol_error);
         break;
       }
-      action a = co_await s->handle(*h);
-      if (a == action::next) continue;
+      std::span<std::byte> dst;
+      action a;
+      try {
+        a = s->begin_frame(*h, dst);
+      } catch (const std::bad_alloc&) {  // no memory for a receive buffer: this connection fails, not the process
+        ec = std::make_error_code(std::errc::not_enough_memory);
+        break;
+      }
+      while (a == action::wait_room) {
+        auto r = co_await s->responder_room.wait();
+        if (!r || s->stopping) {
+          a = action::io;
+          break;
+        }
+        frames = 0;
+        a = s->begin_frame(*h, dst);
+      }
+      if (a == action::payload) {
+        auto n = s->recv_now(dst);
+        if (!n) break;
+        if (*n < dst.size()) {
+          auto r = co_await s->sock.read_exact(dst.subspan(*n));
+          if (!r) break;
+          frames = 0;
+        }
+        s->finish_payload(*h);
+        a = action::next;
+      }
+      if (a == action::next) {
+        // A peer that keeps the socket full gets `reader_frame_budget`
+        // frames, then the others have their turn.
+        if (++frames == reader_frame_budget) {
+          frames = 0;
+          co_await yield();
+          if (s->stopping && !s->nak_then_drain) break;
+        }
+        continue;
+      }
       if (a == action::protocol) ec = err(errc::protocol_error);
       if (a == action::drain) {
         // After a NAK: discard what the peer still sends, touching nothing,
-        // until it closes (it goes to the error state on the NAK).
+        // until it closes (it goes to the error state on the NAK) or the
+        // linger time is up.
         std::vector<std::byte> scratch(16384);
         for (;;) {
-          auto n = co_await s->sock.read_some(scratch);
+          auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->nak_deadline - clock::now());
+          if (left.count() <= 0) break;
+          auto n = co_await with_timeout(s->sock.read_some(scratch), left);
           if (!n || *n == 0) break;
         }
       }
       break;
     }
+    s->cur_use = {};  // a payload cut short: nothing writes through the grant any more
     s->enter_error(ec);
     s->loop_exited();
   }
@@ -560,7 +668,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     std::array<std::byte, header_size> ackh{}, credh{};
     bool ack_waited = false;
     batch.reserve(256);
-    while (!s->stopping) {
+    while (!s->stopping || s->nak_then_drain) {
       if (s->outq.empty() && s->ack_seq == s->ack_sent && s->credits_to_return == 0) {
         if (s->nak_then_drain) {
           (void)s->sock.shutdown(SHUT_WR);  // the NAK is out; the reader drains until the peer closes
@@ -583,7 +691,9 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
       while (!s->outq.empty() && batch.size() < 256) {
         batch.push_back(std::move(s->outq.front()));
         s->outq.pop_front();
+        s->responses_queued -= batch.back().response;
       }
+      if (s->responses_queued < our_responder_ops()) s->responder_room.set();
       for (auto& f : batch) {
         iov.push_back({f.hdr.data(), header_size});
         if (f.len) iov.push_back({const_cast<std::byte*>(f.payload), f.len});
@@ -605,7 +715,14 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
         encode_header(c, credh);
         iov.push_back({credh.data(), header_size});
       }
-      auto r = co_await s->sock.writev_all(iov);
+      result<void> r;
+      if (!s->nak_then_drain) {
+        r = co_await s->sock.writev_all(iov);
+      } else {  // a peer that does not read gets until the linger time is up
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->nak_deadline - clock::now());
+        r = left.count() > 0 ? co_await with_timeout(s->sock.writev_all(iov), left) : err(errc::disconnected);
+        if (!r) s->abort_io();
+      }
       batch.clear();
       if (!r) {
         s->enter_error(err(errc::disconnected));
@@ -658,7 +775,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   static task<result<std::uint64_t>> submit(std::shared_ptr<conn_state> s, header h, std::span<const std::byte> payload,
                                             std::span<std::byte> read_dst) {
     std::stop_token token = co_await get_stop_token();
-    if (s->error) co_return err(errc::disconnected);
+    if (s->error) co_return s->later_error();
     if (token.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
     if (!s->slots.try_acquire()) {
       ++s->slot_waiters;
@@ -666,7 +783,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
       --s->slot_waiters;
       if (!r) co_return r.error();
     }
-    if (s->error) co_return err(errc::disconnected);
+    if (s->error) co_return s->later_error();
     const bool needs_credit = h.op == opcode::send || h.op == opcode::write_imm;
     if (needs_credit) {
       if (!s->credits.try_acquire()) {
@@ -678,10 +795,24 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
           co_return r.error();
         }
       }
-      if (s->error) co_return err(errc::disconnected);
+      if (s->error) co_return s->later_error();
       ++s->credits_out;
     }
+    // As credits: the peer answers at most its announced READ/atomic
+    // requests at once; more wait here, not in its socket.
+    const bool responder = needs_responder(h.op);
+    if (responder && !s->responder_units.try_acquire()) {
+      ++s->responder_waiters;
+      auto r = co_await s->responder_units.acquire();
+      --s->responder_waiters;
+      if (!r) {
+        s->slots.release();
+        co_return r.error();
+      }
+    }
+    if (s->error) co_return s->later_error();
     op_rec rec;
+    rec.holds_responder = responder;
     rec.op = h.op;
     rec.seq = h.seq = s->next_seq++;
     rec.read_dst = read_dst;
@@ -714,19 +845,21 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   static task<result<void>> submit_batch(std::shared_ptr<conn_state> s, std::vector<header> hs,
                                          std::span<const operation> ops) {
     std::stop_token token = co_await get_stop_token();
-    if (s->error) co_return err(errc::disconnected);
+    if (s->error) co_return s->later_error();
     if (token.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
     std::vector<op_rec> recs(ops.size());
     std::size_t queued = 0;
     std::error_code early{};
     const std::size_t max_ops = s->opts.send_queue_depth;
     while (queued < ops.size() && !early) {
-      // The chunk [queued, end): as many operations as slots and credits
-      // allow now (at most send_queue_depth); only an empty chunk waits, so
-      // a batch never holds units while it waits for more.
-      std::size_t end = queued, credits_taken = 0;
+      // The chunk [queued, end): as many operations as slots, credits and
+      // the peer's responder units allow now (at most send_queue_depth);
+      // only an empty chunk waits, so a batch never holds units while it
+      // waits for more.
+      std::size_t end = queued, credits_taken = 0, responders_taken = 0;
       while (end < ops.size() && end - queued < max_ops) {
         const bool c = hs[end].op == opcode::send || hs[end].op == opcode::write_imm;
+        const bool rd = needs_responder(hs[end].op);
         if (!s->slots.try_acquire()) {
           if (end > queued) break;
           ++s->slot_waiters;
@@ -751,13 +884,29 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
             break;
           }
         }
+        if (rd && !s->responder_units.try_acquire()) {
+          if (end > queued) {
+            s->slots.release();
+            break;
+          }
+          ++s->responder_waiters;
+          auto r = co_await s->responder_units.acquire();
+          --s->responder_waiters;
+          if (!r) {
+            s->slots.release();
+            early = r.error();
+            break;
+          }
+        }
         credits_taken += c;
+        responders_taken += rd;
         ++end;
       }
-      if (!early && s->error) early = err(errc::disconnected);
+      if (!early && s->error) early = s->later_error();
       if (early) {
         s->slots.release(end - queued);
         s->credits.release(credits_taken);
+        s->responder_units.release(responders_taken);
         break;
       }
       s->credits_out += static_cast<std::uint32_t>(credits_taken);
@@ -767,6 +916,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
         rec.op = h.op;
         rec.seq = h.seq = s->next_seq++;
         rec.owns_slot = true;
+        rec.holds_responder = needs_responder(h.op);
         if (h.op == opcode::read_req)
           rec.read_dst = std::span(const_cast<std::byte*>(ops[i].local.data()), ops[i].local.size());
         out_frame f;
@@ -815,8 +965,10 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     }
     // What we owe the peer goes out first (the ACK of the message we just
     // consumed, returned credits): the writer is parked with nothing left to
-    // send, so its last writev completed.
-    while (!s->stopping &&
+    // send, so its last writev completed. A peer that does not read gets
+    // the linger time.
+    const auto deadline = clock::now() + linger;
+    while (!s->stopping && !s->error && clock::now() < deadline &&
            (!s->writer_waiter || !s->outq.empty() || s->ack_seq != s->ack_sent || s->credits_to_return != 0)) {
       if ((co_await get_stop_token()).stop_requested()) break;  // a cancelled close aborts
       s->wake_writer();
@@ -1146,14 +1298,8 @@ struct listener_core {
   bool closed = false;
   std::stop_source stop;
 
-  // Whether a new TCP connection may start its handshake; if not, it is
+  // A new TCP connection that may not start its handshake (refusal()) is
   // closed at once (the peer reads EOF) and costs nothing more.
-  bool admits() const noexcept {
-    if (handshakes >= limits.max_handshakes) return false;
-    if (ready.size() >= ready.capacity()) return false;
-    if (limits.max_connections != 0 && live->n + handshakes >= limits.max_connections) return false;
-    return true;
-  }
 
   void close() noexcept {
     if (closed) return;
@@ -1163,6 +1309,25 @@ struct listener_core {
     ready.close();
     while (ready.try_receive()) {}  // established, never taken: closed here
     established.set();              // accept() calls waiting fail
+  }
+
+  void refused(const tcp_socket& peer, std::string_view why) const {
+    if (!limits.on_refused) return;
+    auto ep = peer.remote_endpoint();
+    try {
+      limits.on_refused(ep ? *ep : endpoint{}, why);
+    } catch (...) {  // the application's logger: its failure is not the listener's
+    }
+  }
+
+  // Why a new TCP connection is refused at once, or nullptr if it may start
+  // its handshake.
+  const char* refusal() const noexcept {
+    if (handshakes >= limits.max_handshakes) return "refused: too many handshakes in progress";
+    if (ready.size() >= ready.capacity()) return "refused: accept backlog full";
+    if (limits.max_connections != 0 && live->n + handshakes >= limits.max_connections)
+      return "refused: connection cap reached";
+    return nullptr;
   }
 
   static bool transient(const std::error_code& ec) noexcept {
@@ -1190,7 +1355,8 @@ struct listener_core {
       c->established.set();
       co_return;
     }
-    if (!c->admits()) {
+    if (const char* why = c->refusal()) {
+      c->refused(*s, why);
       s->close();
       co_return;
     }
@@ -1204,14 +1370,18 @@ struct listener_core {
   static task<void> handshake_one(std::shared_ptr<listener_core> c, tcp_socket sock) {
     auto s = co_await with_timeout(handshake(sock, c->dom, c->opts), c->limits.handshake_timeout);
     --c->handshakes;
-    if (!s) co_return;  // a failed, late or cancelled hello: `sock` closes here
+    if (!s) {  // a failed, late or cancelled hello: `sock` closes here
+      if (!c->closed && s.error() != std::errc::operation_canceled)
+        c->refused(sock, "handshake failed: " + s.error().message());
+      co_return;
+    }
     (*s)->origin = c->live;
     ++c->live->n;
     (*s)->start();
     if (c->limits.idle_timeout.count() > 0)
       spawn_detached(idle_watch(*s, c->limits.idle_timeout), (*s)->stop.get_token());
     connection conn(std::make_unique<tcp_connection>(std::move(*s)));
-    // Closed meanwhile, or the backlog filled up since admits(): refused, and
+    // Closed meanwhile, or the backlog filled up since refusal(): refused, and
     // `conn` closes here.
     if (!c->closed && c->ready.try_send(conn)) c->established.set();
   }

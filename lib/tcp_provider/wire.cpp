@@ -17,7 +17,7 @@ void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept
   put(p + 4, h.version, 2);
   put(p + 6, 0, 2);
   put(p + 8, h.receive_buffers, 4);
-  put(p + 12, 0, 4);
+  put(p + 12, h.max_responder_ops, 4);
   put(p + 16, h.receive_buffer_size, 8);
 }
 
@@ -27,11 +27,13 @@ result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept {
   hello h;
   h.version = static_cast<std::uint16_t>(get(p + 4, 2));
   if (h.version != protocol_version) return proto();
-  if (get(p + 6, 2) != 0 || get(p + 12, 4) != 0) return proto();
+  if (get(p + 6, 2) != 0) return proto();
   h.receive_buffers = static_cast<std::uint32_t>(get(p + 8, 4));
+  h.max_responder_ops = static_cast<std::uint32_t>(get(p + 12, 4));
   h.receive_buffer_size = get(p + 16, 8);
   if (h.receive_buffers == 0 || h.receive_buffers > max_receive_buffers) return proto();
   if (h.receive_buffer_size == 0 || h.receive_buffer_size > max_receive_buffer_size) return proto();
+  if (h.max_responder_ops == 0 || h.max_responder_ops > max_responder_ops_limit) return proto();
   return h;
 }
 

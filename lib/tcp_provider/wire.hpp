@@ -2,7 +2,8 @@
 //
 // A connection starts with a hello from each side (versioned; carries the
 // receive pool geometry, so the initiator can refuse oversize sends and count
-// credits). Then both directions carry frames: a fixed 48-byte header,
+// credits, and the responder resources: how many READ/atomic requests the
+// side answers at once, as verbs' max_dest_rd_atomic). Then both directions carry frames: a fixed 48-byte header,
 // followed by a payload for SEND, WRITE, WRITE_IMM and READ_RESP.
 //
 // Everything here is pure (bytes in, values out): the connection engine and
@@ -19,7 +20,7 @@
 namespace shuttle::tcp_wire {
 
 inline constexpr std::uint32_t hello_magic = 0x4C485453;  // "STHL" little-endian
-inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::uint16_t protocol_version = 2;  // 2: max_responder_ops
 inline constexpr std::size_t hello_size = 24;
 inline constexpr std::size_t header_size = 48;
 // Largest one-sided transfer (as verbs: 2^31 bytes).
@@ -27,11 +28,17 @@ inline constexpr std::uint64_t max_rdma_length = std::uint64_t(1) << 31;
 // Largest receive buffer a peer may announce.
 inline constexpr std::uint64_t max_receive_buffer_size = std::uint64_t(1) << 30;
 inline constexpr std::uint32_t max_receive_buffers = 1u << 16;
+// READ/atomic requests a side answers at once (its responses not yet taken
+// by its writer); a peer with more outstanding is not read from until
+// responses go out (back-pressure). What we announce, and the most a peer may.
+inline constexpr std::uint32_t default_responder_ops = 128;
+inline constexpr std::uint32_t max_responder_ops_limit = 1u << 16;
 
 struct hello {
   std::uint16_t version = protocol_version;
   std::uint32_t receive_buffers = 0;
   std::uint64_t receive_buffer_size = 0;
+  std::uint32_t max_responder_ops = default_responder_ops;
 };
 void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept;
 // protocol_error on a bad magic, an unknown version or silly sizes.

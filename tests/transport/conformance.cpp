@@ -485,6 +485,67 @@ TEST_CASE("remote access errors: bad rkey, out of bounds, missing rights; memory
   }
 }
 
+TEST_CASE("a refused access reaches the initiator even when the target drops its connection at once") {
+  // The target application (an echo server) drops its connection the moment
+  // an operation fails: the refusal must still reach the
+  // initiator as remote_access_error, every time. On tcp the target learns
+  // why (peer_access_refused), and so do its later operations.
+  const bool tcp = domain::open().value().kind() == transport_kind::tcp;
+  const int rounds = tcp ? 50 : 3;  // the Soft-RoCE guest is slow
+  io_context ctx;
+  ctx.run([&]() -> task<void> {
+    for (int i = 0; i < rounds; ++i) {
+      CAPTURE(i);
+      pair_t p;
+      co_await make_pair(p);
+      std::vector<std::byte> region(4096);
+      auto mr = p.server_domain->register_memory(region, access::local_write | access::remote_read).value();
+      auto data = pattern(64, static_cast<unsigned>(i));
+      // An echo server: what it receives it sends back, until an error.
+      std::error_code tec;  // what the target's operation failed with
+      auto target = [&]() -> task<void> {
+        std::error_code ec;
+        for (;;) {
+          auto m = co_await p.server.recv();  // no with_timeout here: it would delay the drop by a turn
+          if (!m) {
+            ec = m.error();
+            break;
+          }
+          std::vector<std::byte> copy(m->data().begin(), m->data().end());
+          m->reset();
+          auto e = co_await p.server.send(copy);
+          if (!e) {
+            ec = e.error();
+            break;
+          }
+        }
+        if (tcp && ec) {
+          auto later = co_await p.server.send(data);
+          CHECK(is_error(later.error(), errc::peer_access_refused));
+        }
+        p.server = connection{};  // dropped at once
+        tec = ec;
+      };
+      // A few echoes (round i: i % 4 of them), then the refused write.
+      auto initiator = [&]() -> task<result<void>> {
+        for (int k = 0; k < i % 4; ++k) {
+          auto [s, m] = co_await when_all(with_timeout(p.client.send(data), 30s), with_timeout(p.client.recv(), 30s));
+          if (!s || !m) co_return make_error_code(errc::protocol_error);  // not what this test is about
+        }
+        co_return co_await with_timeout(p.client.write(data, mr.remote(0, 64)), 30s);
+      };
+      auto [w, t] = co_await when_all(initiator(), with_timeout(target(), 60s));
+      REQUIRE_FALSE(w.has_value());
+      CHECK(is_error(w.error(), errc::remote_access_error));
+      REQUIRE(t.has_value());
+      REQUIRE(tec);
+      if (tcp) CHECK(is_error(tec, errc::peer_access_refused));
+      CHECK(std::all_of(region.begin(), region.end(), [](std::byte b) { return b == std::byte{0}; }));
+      co_await close_pair(p);
+    }
+  }());
+}
+
 TEST_CASE("operations queued behind a failing one fail with disconnected") {
   io_context ctx;
   ctx.run([]() -> task<void> {

@@ -221,6 +221,41 @@ TEST_CASE("max_handshakes: a peer past the cap is closed at once; a good client 
   }());
 }
 
+TEST_CASE("on_refused tells the application of each peer refused or dropped before accept, and why") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    domain d = tcp_domain();
+    std::vector<std::pair<std::uint16_t, std::string>> told;
+    listener_options lim;
+    lim.max_handshakes = 1;
+    lim.handshake_timeout = 60s;
+    lim.on_refused = [&told](const endpoint& peer, std::string_view why) {
+      told.emplace_back(peer.port(), std::string(why));
+    };
+    listener l = d.listen(endpoint::loopback(0), {}, lim).value();
+    const std::uint16_t port = l.local_endpoint().port();
+    raw_peer bad(port);
+    auto hostile = [&told](raw_peer& bad, std::uint16_t port) -> task<void> {
+      CHECK((co_await read_until(bad, wire::hello_size, false)).bytes == wire::hello_size);
+      raw_peer capped(port);  // the only handshake slot is taken
+      CHECK((co_await read_until(capped, 0, true)).ended);
+      REQUIRE(told.size() == 1);
+      CHECK(told[0].second.find("too many handshakes") != std::string::npos);
+      std::array<std::byte, wire::hello_size> junk{};
+      junk.fill(std::byte{0x47});
+      bad.send_bytes(junk);  // not a hello: the handshake fails, and the slot frees
+      CHECK((co_await read_until(bad, 0, true)).ended);
+      REQUIRE(told.size() == 2);
+      CHECK(told[1].second.find("handshake failed") != std::string::npos);
+      CHECK(told[1].first != 0);  // the peer's address is known
+    };
+    co_await good_client_round_trip(l, port, true, hostile(bad, port));
+    CHECK(told.size() == 2);  // the good client is not reported
+    l.close();
+    co_await wind_down();
+  }());
+}
+
 TEST_CASE("idle connections hold no receive buffer (under 100 KiB each)") {
   io_context ctx;
   ctx.run([]() -> task<void> {

@@ -43,9 +43,19 @@ TEST_CASE("wire: hello round trip and refusal") {
   auto bad = b;
   bad[0] = std::byte{'X'};
   CHECK(proto(decode_hello(bad).error()));
+  CHECK(d->max_responder_ops == default_responder_ops);
   bad = b;
-  bad[4] = std::byte{2};  // version 2
+  bad[4] = std::byte{1};  // version 1: no responder limit
   CHECK(proto(decode_hello(bad).error()));
+  bad = b;
+  bad[4] = std::byte{3};
+  CHECK(proto(decode_hello(bad).error()));
+  for (std::uint32_t ops : {0u, max_responder_ops_limit + 1}) {
+    hello z = h;
+    z.max_responder_ops = ops;
+    encode_hello(z, bad);
+    CHECK(proto(decode_hello(bad).error()));
+  }
   h.receive_buffer_size = max_receive_buffer_size + 1;
   encode_hello(h, b);
   CHECK(proto(decode_hello(b).error()));
@@ -275,7 +285,7 @@ TEST_CASE("raw peer: SENDs beyond the credits close with protocol_error") {
       errc::protocol_error));
 }
 
-TEST_CASE("raw peer: truncated WRITE (EOF mid-payload) fails with disconnected, region untouched outside") {
+TEST_CASE("raw peer: refused WRITE (then EOF mid-payload) fails with peer_access_refused, region untouched") {
   io_context ctx;
   ctx.run(raw_peer_case(
       [](std::uint64_t addr, std::uint32_t rkey) {
@@ -287,7 +297,7 @@ TEST_CASE("raw peer: truncated WRITE (EOF mid-payload) fails with disconnected, 
         h.length = 64;
         return bytes_of({h}, 10);
       },
-      errc::disconnected));
+      errc::peer_access_refused));
 }
 
 TEST_CASE("raw peer: unsolicited response closes with protocol_error") {

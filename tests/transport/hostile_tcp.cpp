@@ -1,0 +1,343 @@
+// Hostile raw TCP peers against the tcp provider (issue 27): a SEND split
+// across two writes while a message is released, a flood of valid no-op
+// frames, and READ/atomic requests whose responses are never read. The
+// floods come from a blocking POSIX client in its own thread, so the loop
+// under test never waits on the attacker.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include "common.hpp"
+#include "wire.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+using namespace shuttle;
+using namespace shuttle::tcp_wire;
+using namespace transport_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+domain_options tcp_options() {
+  domain_options o;
+  o.kind = transport_kind::tcp;
+  return o;
+}
+
+void append(std::vector<std::byte>& v, const header& h, std::size_t payload = 0, std::byte fill = std::byte{0}) {
+  std::array<std::byte, header_size> b{};
+  encode_header(h, b);
+  v.insert(v.end(), b.begin(), b.end());
+  v.insert(v.end(), payload, fill);
+}
+
+std::vector<std::byte> hello_bytes() {
+  std::array<std::byte, hello_size> b{};
+  hello h;
+  h.receive_buffers = 4;
+  h.receive_buffer_size = 1024;
+  encode_hello(h, b);
+  return {b.begin(), b.end()};
+}
+
+// A blocking client socket in a thread of its own. The destructor shuts the
+// socket down (a send or recv blocked in the thread returns) and joins.
+class raw_thread {
+ public:
+  raw_thread(std::uint16_t port, int rcvbuf, std::function<void(int)> body) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    REQUIRE(fd_ >= 0);
+    if (rcvbuf > 0) ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
+    int big = 8 << 20;
+    ::setsockopt(fd_, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    thread_ = std::thread([this, body = std::move(body)] { body(fd_); });
+  }
+  ~raw_thread() {
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+  }
+
+ private:
+  int fd_ = -1;
+  std::thread thread_;
+};
+
+// Writes all of `v` from `*at` on; false once the socket fails. In
+// non-blocking mode it stops early, at EAGAIN.
+bool send_from(int fd, const std::vector<std::byte>& v, std::size_t* at) {
+  while (*at < v.size()) {
+    ssize_t n = ::send(fd, v.data() + *at, v.size() - *at, MSG_NOSIGNAL);
+    if (n > 0) {
+      *at += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+  }
+  return true;
+}
+
+void drain_until_closed(int fd) {
+  std::array<char, 4096> sink{};
+  while (::recv(fd, sink.data(), sink.size(), 0) > 0) {
+  }
+}
+
+// Waits (on the loop) until `flag` is set by another thread; false after 60 s.
+task<bool> wait_flag(const std::atomic<bool>& flag) {
+  auto deadline = clock::now() + 60s;
+  while (!flag.load()) {
+    if (clock::now() > deadline) co_return false;
+    (void)co_await sleep_for(1ms);
+  }
+  co_return true;
+}
+
+struct good_pair {
+  domain client_domain = domain::open(tcp_options()).value();
+  connection server, client;
+};
+
+task<void> connect_good(listener& l, good_pair& g) {
+  auto ep = endpoint::loopback(l.local_endpoint().port());
+  auto [s, c] = co_await when_all(accept_within_limit(l), g.client_domain.connect(ep));
+  g.server = std::move(s).value();
+  g.client = std::move(c).value();
+}
+
+// One round trip on the good pair: a send and its receipt.
+task<bool> good_round(good_pair& g, unsigned i) {
+  auto msg = pattern(32, i);
+  auto [s, m] = co_await when_all(with_timeout(g.client.send(msg), 30s), with_timeout(g.server.recv(), 30s));
+  co_return s.has_value() && m.has_value() && same(m->data(), msg);
+}
+
+}  // namespace
+
+TEST_CASE("raw peer: a SEND split across two writes while a message is released; held messages stay intact") {
+  // The first write carries SEND 1 whole and SEND 2's header with half its
+  // payload: the reader hands message 1 over and waits for the rest of
+  // payload 2. The application releases message 1 meanwhile, then the rest
+  // of payload 2 and SEND 3 arrive. Message 2 is held while message 3 is
+  // received: it must still hold payload 2.
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto d = domain::open(tcp_options()).value();
+    auto l = d.listen(endpoint::loopback(0)).value();
+    auto ep = endpoint::loopback(l.local_endpoint().port());
+    const auto p1 = pattern(100, 1), p2 = pattern(100, 2), p3 = pattern(100, 3);
+    event released;
+    auto raw = [&]() -> task<void> {
+      auto s = (co_await tcp_socket::connect(ep)).value();
+      auto hb = hello_bytes();
+      (void)co_await s.write_all(hb);
+      std::array<std::byte, hello_size> theirs{};
+      (void)co_await s.read_exact(theirs);
+      std::vector<std::byte> first, second;
+      header h;
+      h.op = opcode::send;
+      h.length = 100;
+      h.seq = 1;
+      append(first, h);
+      first.insert(first.end(), p1.begin(), p1.end());
+      h.seq = 2;
+      append(first, h);
+      first.insert(first.end(), p2.begin(), p2.begin() + 50);
+      (void)co_await s.write_all(first);
+      (void)co_await with_timeout(released.wait(), 30s);
+      second.insert(second.end(), p2.begin() + 50, p2.end());
+      h.seq = 3;
+      append(second, h);
+      second.insert(second.end(), p3.begin(), p3.end());
+      (void)co_await s.write_all(second);
+      (void)s.shutdown(SHUT_WR);
+      std::array<std::byte, 256> sink{};
+      for (;;) {
+        auto n = co_await with_timeout(s.read_some(sink), 30s);
+        if (!n || *n == 0) break;
+      }
+    };
+    auto server = [&]() -> task<void> {
+      auto c = (co_await accept_within_limit(l)).value();
+      {
+        auto m1 = co_await with_timeout(c.recv(), 30s);
+        REQUIRE(m1.has_value());
+        CHECK(same(m1->data(), p1));
+      }  // message 1 released while payload 2 is half read
+      released.set();
+      auto m2 = co_await with_timeout(c.recv(), 30s);
+      REQUIRE(m2.has_value());
+      auto m3 = co_await with_timeout(c.recv(), 30s);
+      REQUIRE(m3.has_value());
+      CHECK(same(m3->data(), p3));
+      CHECK(same(m2->data(), p2));  // not overwritten by message 3
+      CHECK(m2->data().data() != m3->data().data());
+      m2->reset();
+      m3->reset();
+      (void)co_await c.close();
+    };
+    co_await when_all(raw(), server());
+    l.close();
+    (void)co_await sleep_for(5ms);
+  }());
+}
+
+TEST_CASE("raw peer: a flood of valid no-op frames does not starve another connection") {
+  // 200,000 ACK frames (valid no-ops: nothing pending) with a 1-byte SEND
+  // marker every 5,000, most of them already queued in the sockets when the
+  // connection is accepted. While each 5,000 are handled, the good pair on
+  // the same loop must complete a round trip. At -O0 the stack must not
+  // grow with the frames (the old reader died after about 6,000).
+  static constexpr int markers = 41, acks_between = 5000;
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto d = domain::open(tcp_options()).value();
+    auto l = d.listen(endpoint::loopback(0)).value();
+    good_pair g;
+    co_await connect_good(l, g);
+
+    std::vector<std::byte> stream = hello_bytes();
+    stream.reserve(stream.size() + std::size_t(markers) * (header_size + 1) +
+                   std::size_t(markers - 1) * acks_between * header_size);
+    header ack;
+    ack.op = opcode::ack;  // seq 0: acknowledges nothing, valid at any time
+    for (int i = 0; i < markers; ++i) {
+      header m;
+      m.op = opcode::send;
+      m.seq = static_cast<std::uint64_t>(i) + 1;
+      m.length = 1;
+      append(stream, m, 1, static_cast<std::byte>(i));
+      if (i + 1 < markers)
+        for (int k = 0; k < acks_between; ++k) append(stream, ack);
+    }
+    std::atomic<bool> prefilled{false};
+    raw_thread flood(l.local_endpoint().port(), 0, [&](int fd) {
+      // As much as the socket buffers take before the provider reads a byte.
+      std::size_t at = 0;
+      int fl = ::fcntl(fd, F_GETFL);
+      ::fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+      bool ok = send_from(fd, stream, &at);
+      ::fcntl(fd, F_SETFL, fl);
+      prefilled = true;
+      if (ok && send_from(fd, stream, &at)) drain_until_closed(fd);
+    });
+    REQUIRE(co_await wait_flag(prefilled));
+    auto fc = (co_await accept_within_limit(l)).value();
+
+    std::vector<unsigned> rounds_at(markers);
+    unsigned rounds = 0;
+    bool flood_done = false, good_ok = true;
+    auto pinger = [&]() -> task<void> {
+      while (!flood_done && good_ok) {
+        good_ok = co_await good_round(g, rounds);
+        ++rounds;
+      }
+    };
+    auto flood_app = [&]() -> task<void> {
+      for (int i = 0; i < markers; ++i) {
+        auto m = co_await with_timeout(fc.recv(), 60s);
+        if (!m) {
+          FAIL_CHECK("marker " << i << ": " << m.error().message());
+          break;
+        }
+        CHECK(m->data().size() == 1);
+        CHECK(m->data()[0] == static_cast<std::byte>(i));
+        rounds_at[i] = rounds;
+      }
+      flood_done = true;
+    };
+    co_await when_all(pinger(), flood_app());
+    CHECK(good_ok);
+    int starved = 0;  // stretches of 5,000 frames during which the good pair did nothing
+    for (int i = 1; i < markers; ++i) starved += rounds_at[i] == rounds_at[i - 1];
+    CHECK(starved == 0);
+    INFO("good round trips during the flood: " << rounds_at[markers - 1] - rounds_at[0]);
+    CHECK(fc.is_open());
+    (void)co_await fc.close();
+    (void)co_await g.client.close();
+    (void)co_await g.server.close();
+    l.close();
+    (void)co_await sleep_for(5ms);
+  }());
+}
+
+TEST_CASE("raw peer: READ and atomic requests whose responses are never read stay bounded") {
+  // The peer sends READs of 1 MiB and fetch-and-adds, and never reads. The
+  // target answers at most its responder units at once, then stops reading
+  // that peer: the requests it executed (the fetch-and-adds counted in its
+  // memory) stay bounded while the peer has sent far more, and another
+  // connection on the same loop keeps working.
+  static constexpr std::size_t pairs = 150000, read_len = 1 << 20;
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto d = domain::open(tcp_options()).value();
+    std::vector<std::uint64_t> mem(read_len / 8, 0);
+    auto mr = d.register_memory(std::as_writable_bytes(std::span(mem)), access::all).value();
+    auto l = d.listen(endpoint::loopback(0)).value();
+    good_pair g;
+    co_await connect_good(l, g);
+
+    std::vector<std::byte> stream = hello_bytes();
+    stream.reserve(stream.size() + pairs * 2 * header_size);
+    for (std::size_t i = 0; i < pairs; ++i) {
+      header r;
+      r.op = opcode::read_req;
+      r.seq = 2 * i + 1;
+      r.addr = mr.remote().address;
+      r.rkey = mr.rkey();
+      r.length = static_cast<std::uint32_t>(read_len);
+      append(stream, r);
+      header f;
+      f.op = opcode::faa;
+      f.seq = 2 * i + 2;
+      f.addr = mr.remote().address;
+      f.rkey = mr.rkey();
+      f.length = 8;
+      f.arg0 = 1;
+      append(stream, f);
+    }
+    std::atomic<bool> sent_all{false};
+    // A small receive buffer: the responses stop flowing almost at once.
+    std::optional<raw_thread> flood;
+    flood.emplace(l.local_endpoint().port(), 4096, [&](int fd) {
+      std::size_t at = 0;
+      if (send_from(fd, stream, &at)) sent_all = true;  // never reads
+    });
+    auto fc = (co_await accept_within_limit(l)).value();
+    std::atomic_ref<std::uint64_t> executed(mem[0]);
+    // The flood is under way (half the responder units are fetch-and-adds:
+    // the target runs at least that many before it may stop reading)...
+    auto deadline = clock::now() + 60s;
+    while (executed.load() < default_responder_ops / 2 && clock::now() < deadline) (void)co_await sleep_for(1ms);
+    REQUIRE(executed.load() >= default_responder_ops / 2);
+    // ...while the good pair does its round trips...
+    for (unsigned i = 0; i < 300; ++i) REQUIRE(co_await good_round(g, i));
+    // ...and what the target took on stays bounded: at most its responder
+    // units queued, one writer batch (256 frames) and what the socket
+    // buffers hold (a few MiB: a few READ responses).
+    const std::uint64_t done = executed.load();
+    INFO("fetch-and-adds executed: " << done << " of " << pairs);
+    CHECK(done <= 2048);
+    CHECK_FALSE(sent_all.load());
+    CHECK(g.client.is_open());
+    (void)co_await fc.close();
+    flood.reset();  // the peer's thread is unblocked and joined
+    (void)co_await g.client.close();
+    (void)co_await g.server.close();
+    l.close();
+    (void)co_await sleep_for(5ms);
+  }());
+}
