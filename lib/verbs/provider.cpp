@@ -56,10 +56,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <condition_variable>
 #include <map>
-#include <mutex>
-#include <thread>
 #include <optional>
 #include <vector>
 
@@ -240,7 +237,8 @@ enum class reject_reason : std::uint32_t {
   too_many_connections = 3, // listener_options::max_connections
   bad_hello = 4,            // the request's private data is not a hello this side can honour
   no_resources = 5,         // QP, CQ entries or receive buffers could not be had
-  handshake_timeout = 6,    // listener_options::handshake_timeout
+  // 6 is not used: a handshake past listener_options::handshake_timeout has
+  // had its REP, and its REJ carries no reason (see check_deadlines).
 };
 
 std::error_code cm_error(const cm_evt& e) {
@@ -257,39 +255,6 @@ std::error_code cm_error(const cm_evt& e) {
 struct conn_state;
 struct core;
 struct verbs_grant;
-
-// rdma_destroy_id of a handshake this side dropped after its REP was sent
-// waits in the kernel until the CM is done with it: seconds (seen in the
-// guest). On the loop that would stall every connection
-// (a hostile peer could keep it stalled), so such ids, and then their event
-// channels, are destroyed by one thread of the process, in order.
-void destroy_cm_id_later(rdma_cm_id* id, rdma_event_channel* ch) {
-  struct reaper {
-    std::mutex m;
-    std::condition_variable cv;
-    std::deque<std::pair<rdma_cm_id*, rdma_event_channel*>> q;
-  };
-  static reaper* r = [] {
-    auto* p = new reaper;  // never freed: the thread may outlive every static
-    std::thread([p] {
-      for (;;) {
-        std::unique_lock lk(p->m);
-        p->cv.wait(lk, [p] { return !p->q.empty(); });
-        auto [i, c] = p->q.front();
-        p->q.pop_front();
-        lk.unlock();
-        if (i) rdma_destroy_id(i);
-        if (c) rdma_destroy_event_channel(c);
-      }
-    }).detach();
-    return p;
-  }();
-  {
-    std::lock_guard lk(r->m);
-    r->q.emplace_back(id, ch);
-  }
-  r->cv.notify_one();
-}
 
 // ------------------------------------------------------------------ receive pool
 
@@ -818,9 +783,6 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   bool own_qp = false;        // created here (passive side), not by rdma_create_qp: its transitions are ours
   std::uint64_t rx_count = 0;  // receive completions: the listener's idle check
   std::error_code fail_reason;  // why it failed, when the connection's own fault (recv returns it)
-  // A handshake the listener dropped at its deadline (its REP sent): its id
-  // is destroyed off the loop (destroy_cm_id_later).
-  bool destroy_id_elsewhere = false;
   std::vector<recv_slot*> released;  // own receive queue: buffers to post again (core::flush_reposts)
   bool in_repost_list = false;
   struct ctrl_ctx : wr_ctx {
@@ -1163,12 +1125,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     }
     qp = nullptr;
     refresh_usable();
-    if (destroy_id_elsewhere && id) {
-      destroy_cm_id_later(std::exchange(id, nullptr), std::exchange(ech, nullptr));
-    } else {
-      if (id) rdma_destroy_id(id);
-      if (ech) rdma_destroy_event_channel(ech);
-    }
+    if (id) rdma_destroy_id(id);
+    if (ech) rdma_destroy_event_channel(ech);
     id = nullptr;
     ech = nullptr;
     if (srq_grant) {
@@ -2561,8 +2519,13 @@ class verbs_listener final : public listener_impl {
       pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
       ++dom_->st.handshakes_timed_out;
       st->acceptor = nullptr;
-      if (st->id) reject(st->id, reject_reason::handshake_timeout);
-      st->destroy_id_elsewhere = true;
+      // Destroyed, not rejected: the REP is still out, and the kernel's CM
+      // cancels it only when the id is destroyed in REP_SENT (it then sends
+      // a REJ of its own, with no private data). rdma_reject would move the
+      // id to timewait with the REP still retried, and its destroy would
+      // wait until the REP's retries ran out: (max_cm_retries + 1) x the
+      // CM response timeout, both taken from the peer's REQ (65 s with
+      // librdmacm's defaults, up to days from a hostile peer).
       st->shutdown();
     }
     if (limits_.idle_timeout.count() <= 0) return;

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 using namespace shuttle;
 using namespace std::chrono_literals;
 
@@ -169,6 +171,21 @@ task<bool> wait_until(std::function<bool()> cond, std::chrono::seconds limit) {
   co_return true;
 }
 
+// The rdma_cm ids this process holds in the kernel (`rdma res show cm_id`,
+// iproute2), or -1 when that cannot be asked.
+int kernel_cm_ids() {
+  FILE* p = ::popen("rdma -j res show cm_id 2>/dev/null", "r");
+  if (!p) return -1;
+  std::string out;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  if (::pclose(p) != 0 || out.empty()) return -1;
+  const std::string mine = "\"pid\":" + std::to_string(::getpid()) + ",";
+  int n = 0;
+  for (auto at = out.find(mine); at != std::string::npos; at = out.find(mine, at + 1)) ++n;
+  return n;
+}
+
 #ifndef SHUTTLE_TEST_OLD_WIRE
 verbs::domain_stats stats_of(const domain& d) { return verbs::stats(d).value(); }
 #endif
@@ -213,6 +230,10 @@ TEST_CASE("half-open connect requests: capped, rejected with a reason, timed out
     });
     const bool issued = co_await wait_flag(phase, 1, 240s);
     const long rss1 = rss_kib();
+    // The count asked of the kernel below sees the held handshakes now.
+    const int held_ids = kernel_cm_ids();
+    std::printf("kernel rdma_cm ids of this process while the attack is held: %d\n", held_ids);
+    CHECK(held_ids > 0);
 #ifndef SHUTTLE_TEST_OLD_WIRE
     std::printf("burst done: server stats %llu refused, %llu timed out\n", (unsigned long long)stats_of(srv.d).handshakes_refused,
                 (unsigned long long)stats_of(srv.d).handshakes_timed_out);
@@ -238,6 +259,17 @@ TEST_CASE("half-open connect requests: capped, rejected with a reason, timed out
     CHECK(st.handshakes_timed_out >= 1);
 #endif
     co_await srv.stop();
+    // Every id of the dropped handshakes is gone once the server has
+    // stopped (the kernel cancels the REP they were retrying), so the
+    // process can exit: none may wait out the REP's retries, which the
+    // peer's REQ sets (65 s here). The deadline only bounds the wait for
+    // connections still flushing their queues.
+    int left = kernel_cm_ids();
+    std::printf("kernel rdma_cm ids of this process after the server stopped: %d\n", left);
+    const bool all_gone = co_await wait_until([&] { return (left = kernel_cm_ids()) <= 0; }, 20s);
+    std::printf("... and after waiting for flushes: %d\n", left);
+    CHECK(left == 0);
+    CHECK(all_gone);
   }());
 }
 
