@@ -833,7 +833,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   }
 
   // Passive side: told when the handshake ends (true: established).
-  void (*on_accept_done)(void* listener, conn_state* st, bool ok) noexcept = nullptr;
+  // (an error: the handshake failed, and why).
+  void (*on_accept_done)(void* listener, conn_state* st, std::error_code failed) noexcept = nullptr;
   void* acceptor = nullptr;
 
   void on_event(const cm_evt& e) {
@@ -842,7 +843,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       bool ok = e.type == RDMA_CM_EVENT_ESTABLISHED;
       if (ok) on_established();
       auto* l = std::exchange(acceptor, nullptr);
-      on_accept_done(l, this, ok);
+      on_accept_done(l, this, ok ? std::error_code{} : cm_error(e));
       return;
     }
     if (established && (e.type == RDMA_CM_EVENT_DISCONNECTED || e.type == RDMA_CM_EVENT_DEVICE_REMOVAL)) {
@@ -2406,7 +2407,45 @@ class verbs_listener final : public listener_impl {
       rdma_ack_cm_event(e);
       if (c.type == RDMA_CM_EVENT_CONNECT_REQUEST) self->on_request(c);
     }
-    self->watch_->arm(*self->dom_->loop);
+    if (!self->closed_) self->watch_->arm(*self->dom_->loop);
+    self->tell_refused();
+  }
+
+  // The peer of a request, as far as the CM knows it.
+  static endpoint peer_of(rdma_cm_id* id) noexcept {
+    sockaddr* sa = id ? rdma_get_peer_addr(id) : nullptr;
+    if (!sa || (sa->sa_family != AF_INET && sa->sa_family != AF_INET6)) return {};
+    return endpoint(sa, sa->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in));
+  }
+
+  // listener_options::on_refused, told once the listener's own state is
+  // consistent (at the end of each handler: the application may close the
+  // listener from it).
+  void refused(rdma_cm_id* id, std::string why) {
+    if (limits_.on_refused) refusals_.emplace_back(peer_of(id), std::move(why));
+  }
+  void tell_refused() noexcept {
+    if (refusals_.empty()) return;
+    auto told = std::move(refusals_);
+    refusals_.clear();
+    auto tell = limits_.on_refused;  // the application may even destroy the listener from it
+    for (auto& [peer, why] : told) {
+      try {
+        tell(peer, why);
+      } catch (...) {  // the application's logger: its failure is not the listener's
+      }
+    }
+  }
+
+  static const char* describe(reject_reason why) noexcept {
+    switch (why) {
+      case reject_reason::too_many_handshakes: return "refused: too many handshakes in progress";
+      case reject_reason::backlog_full: return "refused: accept backlog full";
+      case reject_reason::too_many_connections: return "refused: connection cap reached";
+      case reject_reason::bad_hello: return "refused: a hello this side cannot honour (credits or buffer size)";
+      case reject_reason::no_resources: return "refused: no resources (QP, CQ entries or receive buffers)";
+    }
+    return "refused";
   }
 
   static void reject(rdma_cm_id* id, reject_reason why) noexcept {
@@ -2435,6 +2474,7 @@ class verbs_listener final : public listener_impl {
     auto st = std::make_shared<conn_state>(dom_, opts_);
     if (!st->init_channel() || rdma_migrate_id(req.id, st->ech) != 0) {
       ++dom_->st.handshakes_refused;
+      refused(req.id, describe(reject_reason::no_resources));
       reject(req.id, reject_reason::no_resources);
       rdma_destroy_id(req.id);
       st->shutdown();
@@ -2458,6 +2498,7 @@ class verbs_listener final : public listener_impl {
     }
     if (refuse) {
       ++dom_->st.handshakes_refused;
+      refused(st->id, describe(*refuse));
       reject(st->id, *refuse);
       st->shutdown();
       return;
@@ -2467,19 +2508,25 @@ class verbs_listener final : public listener_impl {
     pending_.push_back({std::move(st), clock::now() + limits_.handshake_timeout});
   }
 
-  static void accept_done(void* arg, conn_state* st, bool ok) noexcept {
+  static void accept_done(void* arg, conn_state* st, std::error_code failed) noexcept {
     auto* self = static_cast<verbs_listener*>(arg);
     auto it = std::find_if(self->pending_.begin(), self->pending_.end(), [&](auto& h) { return h.st.get() == st; });
     if (it == self->pending_.end()) return;
     auto sp = std::move(it->st);
     self->pending_.erase(it);
-    if (ok && self->ready_.size() < self->limits_.accept_backlog) {
+    if (!failed && self->ready_.size() < self->limits_.accept_backlog) {
       self->ready_.push_back(std::move(sp));
       self->ev_.set();
     } else {
-      if (ok) ++self->dom_->st.handshakes_refused;  // the backlog filled up meanwhile
+      if (!failed) {
+        ++self->dom_->st.handshakes_refused;  // the backlog filled up meanwhile
+        self->refused(sp->id, describe(reject_reason::backlog_full));
+      } else {
+        self->refused(sp->id, "handshake failed: " + failed.message());
+      }
       sp->shutdown();
     }
+    self->tell_refused();
   }
 
   // The deadlines are looked at a few times per the shortest of them.
@@ -2506,6 +2553,7 @@ class verbs_listener final : public listener_impl {
     }
     self->check_deadlines(clock::now());
     self->tick_->arm(*self->dom_->loop);
+    self->tell_refused();
   }
 
   void check_deadlines(clock::time_point now) noexcept {
@@ -2519,6 +2567,8 @@ class verbs_listener final : public listener_impl {
       pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
       ++dom_->st.handshakes_timed_out;
       st->acceptor = nullptr;
+      refused(st->id, "handshake failed: not established within " + std::to_string(limits_.handshake_timeout.count()) +
+                          " ms");
       // Destroyed, not rejected: the REP is still out, and the kernel's CM
       // cancels it only when the id is destroyed in REP_SENT (it then sends
       // a REJ of its own, with no private data). rdma_reject would move the
@@ -2563,6 +2613,7 @@ class verbs_listener final : public listener_impl {
   std::vector<handshake> pending_;
   std::deque<std::shared_ptr<conn_state>> ready_;
   std::vector<accepted_conn> accepted_;
+  std::vector<std::pair<endpoint, std::string>> refusals_;  // for on_refused, at the end of a handler
   event ev_;
   bool closed_ = false;
 };

@@ -23,7 +23,13 @@
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <iterator>
 
 using namespace shuttle;
 using namespace std::chrono_literals;
@@ -171,6 +177,12 @@ task<bool> wait_until(std::function<bool()> cond, std::chrono::seconds limit) {
   co_return true;
 }
 
+// "192.168.77.1:7000" -> "192.168.77.1".
+std::string host_of(const endpoint& e) {
+  std::string s = e.to_string();
+  return s.substr(0, s.rfind(':'));
+}
+
 // The rdma_cm ids this process holds in the kernel (`rdma res show cm_id`,
 // iproute2), or -1 when that cannot be asked.
 int kernel_cm_ids() {
@@ -205,6 +217,8 @@ TEST_CASE("half-open connect requests: capped, rejected with a reason, timed out
     listener_options lim;
     lim.max_handshakes = cap;
     lim.handshake_timeout = 1500ms;
+    std::vector<std::pair<endpoint, std::string>> told;  // on_refused
+    lim.on_refused = [&told](const endpoint& peer, std::string_view why) { told.emplace_back(peer, why); };
     REQUIRE(srv.start(lim));
     const endpoint ep = srv.ep();
     const long rss0 = rss_kib();
@@ -258,6 +272,18 @@ TEST_CASE("half-open connect requests: capped, rejected with a reason, timed out
     CHECK(st.handshakes_refused >= static_cast<std::uint64_t>(attack - cap));
     CHECK(st.handshakes_timed_out >= 1);
 #endif
+    // on_refused was told of each, with the peer's address (this host).
+    int told_capped = 0, told_late = 0, told_unknown_peer = 0;
+    for (auto& [peer, why] : told) {
+      told_capped += why.find("too many handshakes") != std::string::npos;
+      told_late += why.find("handshake failed: not established within 1500 ms") != std::string::npos;
+      told_unknown_peer += peer.port() == 0 || host_of(peer) != host_of(ep);
+    }
+    std::printf("on_refused: %zu told (%d capped, %d late), first: %s: %s\n", told.size(), told_capped, told_late,
+                told.empty() ? "-" : told.front().first.to_string().c_str(), told.empty() ? "-" : told.front().second.c_str());
+    CHECK(told_capped >= attack - static_cast<int>(cap));
+    CHECK(told_late >= 1);
+    CHECK(told_unknown_peer == 0);
     co_await srv.stop();
     // Every id of the dropped handshakes is gone once the server has
     // stopped (the kernel cancels the REP they were retrying), so the
@@ -441,4 +467,174 @@ TEST_CASE("a peer that never posts receives: the send to it fails, the others go
     CHECK(good);
     co_await srv.stop();
   }());
+}
+
+namespace {
+
+// A process started with its stdout on a pipe and its stderr in a file.
+struct child_process {
+  pid_t pid = -1;
+  int out = -1;  // its stdout
+  std::string err_path;
+
+  bool start(std::vector<std::string> argv) {
+    char tmpl[] = "/tmp/shuttle-child-stderr-XXXXXX";
+    int err = ::mkstemp(tmpl);
+    int p[2];
+    if (err < 0 || ::pipe2(p, O_CLOEXEC) != 0) return false;
+    err_path = tmpl;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    posix_spawn_file_actions_adddup2(&fa, err, 2);
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    int rc = ::posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(p[1]);
+    ::close(err);
+    out = p[0];
+    return rc == 0;
+  }
+  // The next stdout line within `ms`, or "".
+  std::string line(int ms) {
+    std::string l;
+    for (int waited = 0; waited < ms;) {
+      pollfd f{out, POLLIN, 0};
+      if (::poll(&f, 1, 100) <= 0) {
+        waited += 100;
+        continue;
+      }
+      char c;
+      if (::read(out, &c, 1) != 1) return l;
+      if (c == '\n') return l;
+      l += c;
+    }
+    return l;
+  }
+  std::string err_text() const {
+    std::ifstream f(err_path);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
+  // SIGTERM, then its exit status within `ms` (-1: it did not exit; killed).
+  int stop(int ms) {
+    if (pid < 0) return -1;
+    ::kill(pid, SIGTERM);
+    for (int waited = 0; waited < ms; waited += 50) {
+      int st = 0;
+      if (::waitpid(pid, &st, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      }
+      ::poll(nullptr, 0, 50);
+    }
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    pid = -1;
+    return -1;
+  }
+  ~child_process() {
+    if (pid > 0) stop(1000);
+    if (out >= 0) ::close(out);
+    if (!err_path.empty()) ::unlink(err_path.c_str());
+  }
+};
+
+int count_of(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// The sum of N in "N similar messages suppressed" lines.
+long suppressed_in(const std::string& text) {
+  long n = 0;
+  const std::string tag = " similar messages suppressed";
+  for (auto at = text.find(tag); at != std::string::npos; at = text.find(tag, at + 1)) {
+    auto start = text.rfind(' ', at - 1);
+    n += std::atol(text.c_str() + start + 1);
+  }
+  return n;
+}
+
+}  // namespace
+
+// Point 4: the verbs echo server (shuttle-echo-server --transport rdma) logs
+// an idle timeout, refused requests and handshakes past their deadline, each
+// with the peer's address, through its rate-limited log: every event is
+// either shown or counted as suppressed. The phases are apart so that the
+// first line of each kind is shown whatever the machine's speed.
+TEST_CASE("the rdma echo server logs refused, timed-out and idle peers with their address, rate-limited") {
+  const char* exe = std::getenv("SHUTTLE_ECHO_SERVER");
+  REQUIRE_MESSAGE(exe != nullptr, "SHUTTLE_ECHO_SERVER (the shuttle-echo-server to test) is not set");
+  const std::string host = host_of(test_endpoint(0));
+  constexpr int cap = 4, burst = 120;
+  child_process srv;
+  REQUIRE(srv.start({exe, "--transport", "rdma", "--bind", host, "--port", "0", "--max-handshakes",
+                     std::to_string(cap), "--handshake-timeout", "1000", "--idle-timeout", "1500"}));
+  const std::string listening = srv.line(60000);
+  std::printf("echo server: %s\n", listening.c_str());
+  const auto at = listening.find("listening on port ");
+  REQUIRE(at != std::string::npos);
+  const auto port = static_cast<std::uint16_t>(std::atoi(listening.c_str() + at + 18));
+  const endpoint ep = test_endpoint(port);
+  const std::string peer_prefix = host + ":";
+  auto wait_log = [&](const std::string& what, int n) {
+    for (int waited = 0; waited < 60000; waited += 50) {
+      if (count_of(srv.err_text(), what) >= n) return true;
+      ::poll(nullptr, 0, 50);
+    }
+    return false;
+  };
+
+  // 1. A connection that says nothing: its idle timeout.
+  bool idle_logged = false;
+  {
+    hostile::qp_peer idle;
+    REQUIRE(idle.connect(ep.data(), hostile::hello(4, 4, 65536)));
+    idle_logged = wait_log("idle timeout", 1);
+  }
+  // 2. `cap` requests that never complete: each past its deadline.
+  hostile::channel ch;
+  std::vector<rdma_cm_id*> held;
+  const auto priv = hostile::hello(16, 1, 65536);
+  auto first = hostile::half_open_burst(ch, ep.data(), cap, priv, 60000, held);
+  const int first_answered = static_cast<int>(std::count_if(
+      first.begin(), first.end(), [](auto& e) { return e && e->type == RDMA_CM_EVENT_CONNECT_RESPONSE; }));
+  const bool late_logged = wait_log("handshake failed: not established within 1000 ms", first_answered);
+  // 3. A burst past the cap (the first `cap` of it held again).
+  auto answers = hostile::half_open_burst(ch, ep.data(), burst, priv, 120000, held);
+  int capped = 0, answered = 0;
+  for (auto& e : answers) {
+    capped += e && e->type == RDMA_CM_EVENT_REJECTED && e->reason() == hostile::too_many_handshakes;
+    answered += e && e->type == RDMA_CM_EVENT_CONNECT_RESPONSE;
+  }
+  // Their deadlines pass: the server destroys them (a REJ comes for each).
+  int dropped = 0;
+  for (int waited = 0; dropped < answered && waited < 60000; waited += 50)
+    if (auto e = ch.next(50); e && e->type == RDMA_CM_EVENT_REJECTED) ++dropped;
+  for (auto* id : held) rdma_destroy_id(id);
+  const int exit_status = srv.stop(60000);
+  const std::string log = srv.err_text();
+  const int shown_idle = count_of(log, "failed: idle timeout");
+  const int shown_capped = count_of(log, ": refused: too many handshakes in progress");
+  const int shown_late = count_of(log, ": handshake failed: not established within 1000 ms");
+  const long suppressed = suppressed_in(log);
+  std::printf("echo server log: %d idle, %d capped, %d late shown, %ld suppressed; events: 1 idle, %d capped, %d late"
+              " (%d answered in the first phase, %d dropped seen)\n",
+              shown_idle, shown_capped, shown_late, suppressed, capped, first_answered + answered, first_answered,
+              dropped);
+  CHECK(exit_status == 0);
+  CHECK(idle_logged);
+  CHECK(late_logged);
+  CHECK(log.find("connection from " + peer_prefix) != std::string::npos);
+  CHECK(log.find("peer " + peer_prefix) != std::string::npos);
+  CHECK(shown_capped >= 1);
+  CHECK(capped >= burst - cap);
+  CHECK(dropped == answered);
+  // Every event is in the log, shown or counted.
+  CHECK(shown_idle + shown_capped + shown_late + suppressed == 1 + capped + first_answered + answered);
+  if (shown_idle + shown_capped + shown_late + suppressed != 1 + capped + first_answered + answered)
+    std::printf("--- the server's stderr:\n%s---\n", log.c_str());
 }
