@@ -866,11 +866,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     co_return e;
   }
 
-  // `passive`: the QP is created with ibv_create_qp and moved to INIT here,
-  // to RTR and RTS by ready_passive_qp, so that its RNR retry count is this
-  // side's (rdma_accept would take the one the peer asked for, maybe 7:
-  // retry forever).
-  result<void> create_qp(bool passive = false) {
+  // The QP is created with ibv_create_qp and moved to INIT here, to RTR and
+  // RTS by ready_qp, on both sides, so that its RNR retry count is this
+  // side's: rdma_accept and rdma_connect would take the one the peer asked
+  // for in its REQ or REP, maybe 7 (retry forever).
+  result<void> create_qp() {
     if (id->verbs != dom->ctx) return make_error_code(errc::not_supported);  // another device
     const std::uint32_t n = opts.receive_buffers + ctrl_reserve;  // the QP's receive queue
     if (opts.shared_receive_queue) {
@@ -895,7 +895,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     a.srq = srq_grant ? dom->srq : nullptr;
     a.cap.max_inline_data = opts.max_inline_data;
     a.sq_sig_all = 0;
-    if (passive) {
+    {
       qp = ibv_create_qp(dom->pd, &a);
       if (!qp) {  // some devices cap inline data: retry without it
         a.cap.max_inline_data = 0;
@@ -908,12 +908,6 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       qa.qp_state = IBV_QPS_INIT;
       if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
       if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
-    } else {
-      if (rdma_create_qp(id, dom->pd, &a) != 0) {
-        a.cap.max_inline_data = 0;
-        if (rdma_create_qp(id, dom->pd, &a) != 0) return last_errno();
-      }
-      qp = id->qp;
     }
     qp_num = qp->qp_num;
     refresh_usable();
@@ -944,20 +938,21 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     return {};
   }
 
-  // The passive QP to RTR and RTS, as rdma_accept would (its attributes
-  // from the CM), but with this side's RNR retry count.
-  result<void> ready_passive_qp(const rdma_conn_param& p) {
+  // The QP to RTR and RTS, as rdma_accept (`accepted`: this side's answer)
+  // or rdma_connect's handling of the REP would (its attributes from the
+  // CM), but with this side's RNR retry count.
+  result<void> ready_qp(const rdma_conn_param* accepted) {
     ibv_qp_attr qa{};
     int mask = 0;
     qa.qp_state = IBV_QPS_RTR;
     if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
-    qa.max_dest_rd_atomic = p.responder_resources;
+    if (accepted) qa.max_dest_rd_atomic = accepted->responder_resources;
     if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
     qa = {};
     mask = 0;
     qa.qp_state = IBV_QPS_RTS;
     if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
-    qa.max_rd_atomic = p.initiator_depth;
+    if (accepted) qa.max_rd_atomic = accepted->initiator_depth;
     qa.rnr_retry = std::min<std::uint8_t>(qa.rnr_retry, rnr_retries);
     if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
     return {};
@@ -2325,11 +2320,18 @@ task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint ep) {
   if (auto r = st->create_qp(); !r) co_return r.error();
   wire_hello hello;
   rdma_conn_param p = st->conn_param(hello, nullptr);
+  p.qp_num = st->qp_num;  // the QP is not the id's: librdmacm leaves its transitions to us
+  p.srq = st->srq_grant ? 1 : 0;
   if (rdma_connect(st->id, &p) != 0) co_return last_errno();
   e = co_await st->next_event();
   if (!e) co_return e.error();
-  if (e->type != RDMA_CM_EVENT_ESTABLISHED) co_return cm_error(*e);
+  if (e->type != RDMA_CM_EVENT_CONNECT_RESPONSE) co_return cm_error(*e);
+  // The REP: the peer's hello checked, the QP readied with this side's RNR
+  // retry count (not the REP's), then the RTU. A failure here destroys the
+  // id, which rejects the REP.
   if (!st->take_hello(*e)) co_return make_error_code(errc::protocol_error);
+  if (auto r = st->ready_qp(nullptr); !r) co_return r.error();
+  if (rdma_establish(st->id) != 0) co_return last_errno();
   st->on_established();
   co_return result<void>{};
 }
@@ -2488,9 +2490,9 @@ class verbs_listener final : public listener_impl {
     if (!refuse && !st->take_hello(req)) refuse = reject_reason::bad_hello;
     wire_hello hello;
     if (!refuse) {
-      bool ok = static_cast<bool>(st->create_qp(true));
+      bool ok = static_cast<bool>(st->create_qp());
       rdma_conn_param p = st->conn_param(hello, &req);
-      ok = ok && static_cast<bool>(st->ready_passive_qp(p));
+      ok = ok && static_cast<bool>(st->ready_qp(&p));
       p.qp_num = st->qp_num;
       p.srq = st->srq_grant ? 1 : 0;
       if (ok && rdma_accept(st->id, &p) != 0) ok = false;

@@ -268,4 +268,60 @@ class qp_peer {
   bool established_ = false;
 };
 
+// A listener that accepts one connection with an RC QP of its own, asks the
+// client's QP for infinite RNR retries (7) in its REP, and never posts a
+// receive.
+class qp_server {
+ public:
+  ~qp_server() {
+    if (conn_ && established_) rdma_disconnect(conn_);
+    if (conn_ && conn_->qp) rdma_destroy_qp(conn_);
+    if (cq_) ibv_destroy_cq(cq_);
+    if (pd_) ibv_dealloc_pd(pd_);
+    if (conn_) rdma_destroy_id(conn_);
+    if (listen_) rdma_destroy_id(listen_);
+  }
+  // Listens on `addr` (port 0: any); the port, or 0 on failure.
+  std::uint16_t listen(const sockaddr* addr) {
+    if (!ch_.ok() || rdma_create_id(ch_.get(), &listen_, nullptr, RDMA_PS_TCP) != 0) return 0;
+    if (rdma_bind_addr(listen_, const_cast<sockaddr*>(addr)) != 0 || rdma_listen(listen_, 4) != 0) return 0;
+    return ntohs(rdma_get_src_port(listen_));
+  }
+  // Accepts the first request within `ms`: true once established.
+  bool accept(const std::vector<std::uint8_t>& priv, int ms) {
+    std::optional<event> e;
+    for (int waited = 0; waited < ms && !e; waited += 50) {
+      e = ch_.next(50);
+      if (e && e->type != RDMA_CM_EVENT_CONNECT_REQUEST) e.reset();
+    }
+    if (!e) return false;
+    conn_ = e->id;
+    pd_ = ibv_alloc_pd(conn_->verbs);
+    cq_ = pd_ ? ibv_create_cq(conn_->verbs, 256, nullptr, nullptr, 0) : nullptr;
+    if (!cq_) return false;
+    ibv_qp_init_attr a{};
+    a.send_cq = cq_;
+    a.recv_cq = cq_;
+    a.qp_type = IBV_QPT_RC;
+    a.cap.max_send_wr = 64;
+    a.cap.max_recv_wr = 16;
+    a.cap.max_send_sge = 1;
+    a.cap.max_recv_sge = 1;
+    if (rdma_create_qp(conn_, pd_, &a) != 0) return false;
+    rdma_conn_param p = conn_param(priv, 0);  // rnr_retry_count 7
+    if (rdma_accept(conn_, &p) != 0) return false;
+    auto est = ch_.next_for(conn_, ms);
+    established_ = est && est->type == RDMA_CM_EVENT_ESTABLISHED;
+    return established_;
+  }
+
+ private:
+  channel ch_;
+  rdma_cm_id* listen_ = nullptr;
+  rdma_cm_id* conn_ = nullptr;
+  ibv_pd* pd_ = nullptr;
+  ibv_cq* cq_ = nullptr;
+  bool established_ = false;
+};
+
 }  // namespace hostile

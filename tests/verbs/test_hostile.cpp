@@ -638,3 +638,34 @@ TEST_CASE("the rdma echo server logs refused, timed-out and idle peers with thei
   if (shown_idle + shown_capped + shown_late + suppressed != 1 + capped + first_answered + answered)
     std::printf("--- the server's stderr:\n%s---\n", log.c_str());
 }
+
+// Point 3, client side: a server that asks for infinite RNR retries (7) in
+// its REP and never posts a receive. The client's QP retries RNR NAKs a
+// finite number of times (its own count, not the REP's): its send ends in
+// an error, and the connection with it.
+TEST_CASE("a server that never posts receives: the client's send fails instead of retrying for ever") {
+  hostile::qp_server hs;
+  const std::uint16_t port = hs.listen(test_endpoint(0).data());
+  REQUIRE(port != 0);
+  std::atomic<int> accepted{0};  // 1 established, -1 failed
+  std::thread server([&] { accepted = hs.accept(hostile::hello(4, 4, 65536), 120000) ? 1 : -1; });
+  io_context ctx;
+  ctx.run([&]() -> task<void> {
+    auto d = open_verbs();
+    auto c = co_await d.connect(test_endpoint(port));
+    const bool up = co_await wait_flag(accepted, 1, 120s);
+    REQUIRE_MESSAGE(c, c.error().message());
+    CHECK(up);
+    const auto t0 = clock::now();
+    // The deadline is far past the finite retries (3 x the server's RNR
+    // timer, 655 ms by default): on the old code the send never ends.
+    auto s = co_await with_timeout(c->send(transport_test::pattern(100, 3)), 90s);
+    std::printf("send to a server without receives: %s after %.1f ms\n", s ? "completed" : s.error().message().c_str(),
+                std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+    CHECK(!s);
+    CHECK(s.error() != make_error_code(std::errc::timed_out));
+    CHECK(!c->is_open());
+    (void)co_await c->close();
+  }());
+  server.join();
+}
