@@ -69,12 +69,12 @@ constexpr std::uint32_t ctrl_flag = 0x80000000u;     // imm of a control message
 constexpr std::uint32_t wire_magic = 0x53485632u;    // "SHV2"
 constexpr std::uint32_t reject_magic = 0x53485252u;  // "SHRR": a reject's private data (reject_reason)
 // A connection posts this many user receives at first (the peer's initial
-// credits) and doubles them as messages arrive, up to receive_buffers.
-// The whole pool for now: with fewer, credit-starved operations can post
-// out of order (a waiter woken for a credit runs after a new operation that
-// takes a credit released with it: transfer-rdma saw chunk 8 before 5), so
-// the small start waits for FIFO credit hand-over in execute().
-constexpr std::uint32_t initial_receives = 0xffffffffu;
+// credits, announced in the hello) and doubles them as messages arrive, up
+// to receive_buffers; each receive added is a credit for the peer once it
+// is posted. A peer that connects and sends nothing holds this one and the
+// control receives, not the pool. Operations post in call order however
+// short credits run (post_order).
+constexpr std::uint32_t initial_receives = 1;
 // RNR retries of this side's QPs (and what it asks of the peer's): credits
 // keep receives posted ahead of sends, so an RNR NAK means a peer that does
 // not post what it announced; 7 would retry forever.
@@ -1398,6 +1398,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   // A send-queue slot and, for `credit`, a peer receive, if both can be had
   // now (the semaphores are FIFO: this never overtakes a waiter).
   bool try_reserve(bool credit) noexcept {
+    if (ordered_waiting > 0) return false;  // an operation that waited posts first
     if (!sq.try_acquire()) return false;
     if (credit && !credits.try_acquire()) {
       sq.release();
@@ -1510,6 +1511,35 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     return posted_op(this, wr, sge, credit, atomic_result);
   }
 
+  // Operations post in the order they were called. One that must wait for
+  // a send-queue slot or a credit queues on `post_order` (FIFO) and holds it
+  // from its first wait to its post; while any is in there, try_reserve
+  // fails, so no later operation overtakes it. Without this a waiter handed
+  // a unit by release() resumed only after a newer operation had taken
+  // another unit of the same release and posted (transfer-rdma saw chunk 8
+  // before chunk 5 once credits ran short).
+  mutex post_order;
+  std::uint32_t ordered_waiting = 0;  // operations from their first wait to their post
+  struct ordered_turn {  // counts one operation in ordered_waiting, until done()
+    conn_state* c;
+    bool in = true;
+    explicit ordered_turn(conn_state* s) noexcept : c(s) { ++c->ordered_waiting; }
+    void done() noexcept {
+      if (std::exchange(in, false)) --c->ordered_waiting;
+    }
+    ~ordered_turn() { done(); }
+  };
+  // Resumes when a posted_op posted by hand completes.
+  struct posted_wait {
+    posted_op& op;
+    bool await_ready() const noexcept { return op.done; }
+    template <class P>
+    void await_suspend(std::coroutine_handle<P> h) {
+      op.await_suspend(h);
+    }
+    void await_resume() const noexcept {}
+  };
+
   // Waits for a send-queue slot (and a credit), then posts. Callers try
   // try_reserve + post_reserved first, in their own frame.
   task<result<std::uint64_t>> execute(ibv_send_wr wr, ibv_sge sge, bool credit, bool atomic_result,
@@ -1518,6 +1548,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     (void)keep;
     auto self = shared_from_this();
     if (!usable()) co_return disconnected();
+    ordered_turn turn(this);
+    auto order = co_await post_order.lock();
+    if (!order) co_return order.error();
     if (auto r = co_await sq.acquire(); !r) co_return r.error();
     if (credit) {
       if (auto r = co_await credits.acquire(); !r) {
@@ -1525,7 +1558,12 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         co_return r.error();
       }
     }
-    co_return co_await post_reserved(wr, sge, credit, atomic_result);
+    posted_op op = post_reserved(wr, sge, credit, atomic_result);
+    const bool over = op.await_ready();  // posts
+    turn.done();
+    order->unlock();
+    if (!over) co_await posted_wait{op};
+    co_return op.await_resume();
   }
 
   // ---------------------------------------------------------------- batches
@@ -1594,6 +1632,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     auto self = shared_from_this();
     (void)keep;
     if (!usable()) co_return disconnected();
+    // In call order with the other operations (post_order), all of it.
+    ordered_turn turn(this);
+    auto order = co_await post_order.lock();
+    if (!order) co_return order.error();
     // Chunks of at most send_queue_depth WRs (at most one per WR).
     std::vector<batch_chunk> chunks(wrs.size());
     batch_wait b;
@@ -1681,6 +1723,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (posted++ == 0) ++inflight_ops;
       first = end;
     }
+    turn.done();
+    order->unlock();
     if (posted > 0 && !early) dom->poll_inline(static_cast<unsigned>(wrs.size()));  // it may be done already
     if (posted > 0) {
       co_await b;
