@@ -535,6 +535,12 @@ task<shuttle::result<void>> open_transport(transport_server& srv, const options&
   shuttle::connection_options copts;
   copts.receive_buffers = receive_buffers_for(opts.max_message);
   copts.receive_buffer_size = opts.max_message;
+  // One reply per received message, each awaited before the next receive:
+  // a send queue as deep as the receive pool is plenty, and each verbs
+  // connection reserves its depth in the domain's one completion queue
+  // (capped by the device: 32,767 entries on rxe), so a deep one would cap
+  // the connections held (128: about 240).
+  if (opts.transport == cli::transport::rdma) copts.send_queue_depth = copts.receive_buffers;
   auto limits = opts.limits;
   limits.on_refused = [](const shuttle::endpoint& peer, std::string_view why) {
     log_throttled("peer " + peer.to_string() + ": " + std::string(why));

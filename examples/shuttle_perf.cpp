@@ -385,6 +385,16 @@ void print_poll_stats(const domain& d, const char* who) {
   std::fflush(stdout);
 }
 
+// What the listener refused or dropped (hostile or broken peers), when any.
+void print_listener_stats(const domain& d) {
+  auto st = verbs::stats(d);
+  if (!st || (st->handshakes_refused | st->handshakes_timed_out | st->idle_timeouts | st->protocol_errors) == 0) return;
+  std::printf("# server: %" PRIu64 " connect requests refused, %" PRIu64 " handshakes timed out, %" PRIu64
+              " idle timeouts, %" PRIu64 " protocol errors\n",
+              st->handshakes_refused, st->handshakes_timed_out, st->idle_timeouts, st->protocol_errors);
+  std::fflush(stdout);
+}
+
 double us(clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
 // ---------------------------------------------------------------- server
@@ -504,7 +514,13 @@ task<int> server_main(const options& o, server_stats& stats) {
                   "bad --bind address");
   // The server's send queue carries pongs and write_lat writes only; its
   // receive pool takes send_bw's messages.
-  auto l = check(d.listen(ep, conn_opts(o, 128)), "listen");
+  // Peers refused or dropped before a session (caps, deadlines, bad hellos)
+  // are logged with their address, rate-limited like failed sessions.
+  listener_options limits;
+  limits.on_refused = [&session_log](const endpoint& peer, std::string_view why) {
+    session_log("peer " + peer.to_string() + ": " + std::string(why));
+  };
+  auto l = check(d.listen(ep, conn_opts(o, 128), limits), "listen");
   std::printf("shuttle-perf: %s, listening on %s\n", d.describe().c_str(), l.local_endpoint().to_string().c_str());
   std::fflush(stdout);
   const std::stop_token stop = co_await get_stop_token();
@@ -513,14 +529,16 @@ task<int> server_main(const options& o, server_stats& stats) {
     if (!c && stop.stop_requested()) break;
     if (!c) fail_with("accept", c.error());
     ++stats.sessions;
+    const std::string peer = c->remote_endpoint().to_string();
     try {
       co_await serve_one(std::move(*c), d);
       print_poll_stats(d, "server");
+      print_listener_stats(d);
     } catch (const std::exception& e) {
       if (stop.stop_requested()) break;  // cancelled mid-session: shutting down
       ++stats.failed;
       if (!o.loop) throw;
-      session_log(std::string("session failed: ") + e.what());  // --loop: a client looping on errors must not flood
+      session_log("session with " + peer + " failed: " + e.what());  // --loop: a client looping on errors must not flood
     }
   } while (o.loop && !stop.stop_requested());
   session_log.flush();

@@ -45,6 +45,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
 
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
@@ -62,9 +64,21 @@ namespace shuttle::detail {
 namespace {
 
 
-constexpr std::uint32_t ctrl_reserve = 4;            // extra receives (and send slots) for credit messages
+constexpr std::uint32_t ctrl_reserve = 2;            // extra receives (and send slots) for credit messages
 constexpr std::uint32_t ctrl_flag = 0x80000000u;     // imm of a control message
-constexpr std::uint32_t wire_magic = 0x53485631u;    // "SHV1"
+constexpr std::uint32_t wire_magic = 0x53485632u;    // "SHV2"
+constexpr std::uint32_t reject_magic = 0x53485252u;  // "SHRR": a reject's private data (reject_reason)
+// A connection posts this many user receives at first (the peer's initial
+// credits, announced in the hello) and doubles them as messages arrive, up
+// to receive_buffers; each receive added is a credit for the peer once it
+// is posted. A peer that connects and sends nothing holds this one and the
+// control receives, not the pool. Operations post in call order however
+// short credits run (post_order).
+constexpr std::uint32_t initial_receives = 1;
+// RNR retries of this side's QPs (and what it asks of the peer's): credits
+// keep receives posted ahead of sends, so an RNR NAK means a peer that does
+// not post what it announced; 7 would retry forever.
+constexpr std::uint8_t rnr_retries = 3;
 // Memory the library does not own (neither a live user registration nor its
 // own) is never registered for longer than one operation: nothing can tell
 // the library when such memory is unmapped (docs/memory-registration.md).
@@ -207,11 +221,24 @@ cm_evt copy_event(const rdma_cm_event* e) {
   return c;
 }
 
-// What each side tells the other in the CM private data.
+// What each side tells the other in the CM private data (network order).
 struct wire_hello {
   std::uint32_t magic;
-  std::uint32_t recv_slots;   // user receive buffers posted (initial credits)
-  std::uint32_t buffer_size;  // largest message accepted
+  std::uint32_t max_slots;      // user receives it may ever have posted: the cap on credits outstanding
+  std::uint32_t initial_slots;  // user receives posted now (the initial credits), 1..max_slots
+  std::uint32_t buffer_size;    // largest message accepted, >= 1
+};
+
+// Why a listener rejected a request: the reject's private data is
+// {reject_magic, reason} in network order.
+enum class reject_reason : std::uint32_t {
+  too_many_handshakes = 1,  // listener_options::max_handshakes
+  backlog_full = 2,         // listener_options::accept_backlog
+  too_many_connections = 3, // listener_options::max_connections
+  bad_hello = 4,            // the request's private data is not a hello this side can honour
+  no_resources = 5,         // QP, CQ entries or receive buffers could not be had
+  // 6 is not used: a handshake past listener_options::handshake_timeout has
+  // had its REP, and its REJ carries no reason (see check_deadlines).
 };
 
 std::error_code cm_error(const cm_evt& e) {
@@ -301,6 +328,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   int cq_size = 0;
   int cq_reserved = 0;
   ibv_device_attr dattr{};
+  std::uint32_t max_msg = 0;  // the port's max_msg_sz: the largest buffer size a peer may announce
   std::uint8_t port = 1;
   int gid_index = -1;
   std::string name, gid_text;
@@ -457,6 +485,19 @@ struct core final : poller, std::enable_shared_from_this<core> {
   void exit_interrupt_mode() override {}
   void reap_graveyard();
   void on_unsignaled_error(const ibv_wc& wc) noexcept;
+
+  // Reserves `n` entries of the shared CQ for one connection, growing the CQ
+  // if it can; false when they do not fit (that connection is refused or
+  // stops growing, the others keep theirs).
+  bool reserve_cq(int n) noexcept {
+    if (cq_reserved + n > cq_size) {
+      int want = std::min(dattr.max_cqe, std::max(cq_size * 2, cq_reserved + n));
+      if (want < cq_reserved + n || ibv_resize_cq(cq, want) != 0) return false;
+      cq_size = cq->cqe;
+    }
+    cq_reserved += n;
+    return true;
+  }
 
   result<void> srq_join(std::uint32_t grant, std::size_t slot_size);
   void srq_leave(std::uint32_t grant) noexcept { srq_granted -= grant; }
@@ -733,7 +774,15 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   ibv_sge inline_sge{};
 
   std::uint32_t peer_slots = 0, peer_buffer = 0, max_inline = 0;
+  std::uint32_t peer_max_slots = 0;  // the peer's announced cap: credits held never exceed it
   std::uint32_t to_return = 0, ctrl_inflight = 0;
+  // Own receive queue: user receives posted so far (the rest of the pool
+  // comes as messages arrive, grow_receives); grow_pending: one is due.
+  std::uint32_t user_slots = 0;
+  bool grow_pending = false, grow_stopped = false;
+  bool own_qp = false;        // created here (passive side), not by rdma_create_qp: its transitions are ours
+  std::uint64_t rx_count = 0;  // receive completions: the listener's idle check
+  std::error_code fail_reason;  // why it failed, when the connection's own fault (recv returns it)
   std::vector<recv_slot*> released;  // own receive queue: buffers to post again (core::flush_reposts)
   bool in_repost_list = false;
   struct ctrl_ctx : wr_ctx {
@@ -784,7 +833,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   }
 
   // Passive side: told when the handshake ends (true: established).
-  void (*on_accept_done)(void* listener, conn_state* st, bool ok) noexcept = nullptr;
+  // (an error: the handshake failed, and why).
+  void (*on_accept_done)(void* listener, conn_state* st, std::error_code failed) noexcept = nullptr;
   void* acceptor = nullptr;
 
   void on_event(const cm_evt& e) {
@@ -793,7 +843,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       bool ok = e.type == RDMA_CM_EVENT_ESTABLISHED;
       if (ok) on_established();
       auto* l = std::exchange(acceptor, nullptr);
-      on_accept_done(l, this, ok);
+      on_accept_done(l, this, ok ? std::error_code{} : cm_error(e));
       return;
     }
     if (established && (e.type == RDMA_CM_EVENT_DISCONNECTED || e.type == RDMA_CM_EVENT_DEVICE_REMOVAL)) {
@@ -816,23 +866,23 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     co_return e;
   }
 
+  // The QP is created with ibv_create_qp and moved to INIT here, to RTR and
+  // RTS by ready_qp, on both sides, so that its RNR retry count is this
+  // side's: rdma_accept and rdma_connect would take the one the peer asked
+  // for in its REQ or REP, maybe 7 (retry forever).
   result<void> create_qp() {
     if (id->verbs != dom->ctx) return make_error_code(errc::not_supported);  // another device
-    std::uint32_t n = opts.receive_buffers + ctrl_reserve;
+    const std::uint32_t n = opts.receive_buffers + ctrl_reserve;  // the QP's receive queue
     if (opts.shared_receive_queue) {
       if (auto r = dom->srq_join(n, opts.receive_buffer_size); !r) return r;
       srq_grant = n;
     }
-    cq_reserve = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + n);
-    if (dom->cq_reserved + cq_reserve > dom->cq_size) {
-      int want = std::min(dom->dattr.max_cqe, std::max(dom->cq_size * 2, dom->cq_reserved + cq_reserve));
-      if (want < dom->cq_reserved + cq_reserve || ibv_resize_cq(dom->cq, want) != 0) {
-        cq_reserve = 0;
-        return make_error_code(std::errc::no_buffer_space);
-      }
-      dom->cq_size = dom->cq->cqe;
-    }
-    dom->cq_reserved += cq_reserve;
+    // Own receive queue: only the first few receives now (grow_receives).
+    user_slots = srq_grant ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
+    const std::uint32_t posted_now = srq_grant ? n : user_slots + ctrl_reserve;
+    const int want_cq = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + posted_now);
+    if (!dom->reserve_cq(want_cq)) return make_error_code(std::errc::no_buffer_space);
+    cq_reserve = want_cq;
 
     ibv_qp_init_attr a{};
     a.send_cq = dom->cq;
@@ -845,12 +895,20 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     a.srq = srq_grant ? dom->srq : nullptr;
     a.cap.max_inline_data = opts.max_inline_data;
     a.sq_sig_all = 0;
-    if (rdma_create_qp(id, dom->pd, &a) != 0) {
-      // Some devices cap inline data: retry without it.
-      a.cap.max_inline_data = 0;
-      if (rdma_create_qp(id, dom->pd, &a) != 0) return last_errno();
+    {
+      qp = ibv_create_qp(dom->pd, &a);
+      if (!qp) {  // some devices cap inline data: retry without it
+        a.cap.max_inline_data = 0;
+        qp = ibv_create_qp(dom->pd, &a);
+      }
+      if (!qp) return last_errno();
+      own_qp = true;
+      ibv_qp_attr qa{};
+      int mask = 0;
+      qa.qp_state = IBV_QPS_INIT;
+      if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
+      if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
     }
-    qp = id->qp;
     qp_num = qp->qp_num;
     refresh_usable();
     max_inline = std::min(a.cap.max_inline_data, opts.max_inline_data);
@@ -866,8 +924,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       pool->pd = dom->pdh;
       pool->conn = this;
       pool->slot_size = opts.receive_buffer_size;
-      if (auto r = pool->grow(n, &on_recv_wc); !r) return r.error();
-      for (std::uint32_t i = 0; i < n; ++i)
+      if (auto r = pool->grow(posted_now, &on_recv_wc); !r) return r.error();
+      for (std::uint32_t i = 0; i < posted_now; ++i)
         if (auto r = post_recv(pool->slots[i]); !r) return r;
     }
     // Results of atomics.
@@ -878,6 +936,66 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (!scratch_mr) return last_errno();
     for (std::uint32_t i = opts.send_queue_depth; i > 0; --i) scratch_free.push_back(i - 1);
     return {};
+  }
+
+  // The QP to RTR and RTS, as rdma_accept (`accepted`: this side's answer)
+  // or rdma_connect's handling of the REP would (its attributes from the
+  // CM), but with this side's RNR retry count.
+  result<void> ready_qp(const rdma_conn_param* accepted) {
+    ibv_qp_attr qa{};
+    int mask = 0;
+    qa.qp_state = IBV_QPS_RTR;
+    if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
+    if (accepted) qa.max_dest_rd_atomic = accepted->responder_resources;
+    if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
+    qa = {};
+    mask = 0;
+    qa.qp_state = IBV_QPS_RTS;
+    if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
+    if (accepted) qa.max_rd_atomic = accepted->initiator_depth;
+    qa.rnr_retry = std::min<std::uint8_t>(qa.rnr_retry, rnr_retries);
+    if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
+    return {};
+  }
+
+  // Own receive queue: the user receives double (up to receive_buffers)
+  // once the peer uses them; each new one is a credit for it. Growth stops
+  // where memory or the shared CQ runs out (the connection keeps working
+  // with what it has).
+  void grow_receives() noexcept {
+    const std::uint32_t add = std::min(user_slots, opts.receive_buffers - user_slots);
+    if (add == 0 || grow_stopped || !usable()) return;
+    if (!dom->reserve_cq(static_cast<int>(add))) {
+      grow_stopped = true;
+      return;
+    }
+    cq_reserve += static_cast<int>(add);
+    auto first = pool->grow(add, &on_recv_wc);
+    if (!first) {
+      grow_stopped = true;
+      return;
+    }
+    for (std::size_t i = *first; i < pool->slots.size(); ++i) {
+      if (!post_recv(pool->slots[i])) {
+        grow_stopped = true;
+        break;
+      }
+      ++user_slots;
+      ++to_return;
+    }
+  }
+
+  // Credits the peer returns: never more outstanding than it announced it
+  // could have posted; past that it broke the protocol (false: failed).
+  bool take_credits(std::uint32_t n) noexcept {
+    if (error) return true;  // failed already: every waiter was woken
+    if (credits.available() + n > peer_max_slots) {
+      ++dom->st.protocol_errors;
+      fail_with(make_error_code(errc::protocol_error));
+      return false;
+    }
+    credits.release(n);
+    return true;
   }
 
   // Puts a receive buffer back: on the QP's own receive queue or the SRQ.
@@ -895,7 +1013,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   rdma_conn_param conn_param(wire_hello& hello, const cm_evt* req) const {
     hello.magic = htonl(wire_magic);
-    hello.recv_slots = htonl(opts.receive_buffers);
+    hello.max_slots = htonl(opts.receive_buffers);
+    hello.initial_slots = htonl(user_slots);
     hello.buffer_size = htonl(static_cast<std::uint32_t>(std::min<std::size_t>(opts.receive_buffer_size, UINT32_MAX)));
     rdma_conn_param p{};
     p.private_data = &hello;
@@ -908,24 +1027,40 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       p.initiator_depth = std::min(rd, req->responder_resources);
     }
     p.retry_count = 7;
-    p.rnr_retry_count = 7;  // backstop only: credits keep receives posted ahead of sends
+    p.rnr_retry_count = rnr_retries;  // the peer's QP: what it may retry on this side's RNR NAKs
     return p;
   }
 
+  // The peer's hello, checked against what this side can honour: credits
+  // (its receives) at most what a QP of this device can have posted, the
+  // initial ones within its cap, a buffer size in [1, the port's max
+  // message size].
   bool take_hello(const cm_evt& e) {
     if (e.priv_len < sizeof(wire_hello)) return false;
     wire_hello h;
     std::memcpy(&h, e.priv.data(), sizeof h);
     if (ntohl(h.magic) != wire_magic) return false;
-    peer_slots = ntohl(h.recv_slots);
-    peer_buffer = ntohl(h.buffer_size);
-    return peer_slots > 0;
+    const std::uint32_t max_slots = ntohl(h.max_slots), initial = ntohl(h.initial_slots);
+    const std::uint32_t buffer = ntohl(h.buffer_size);
+    const auto device_cap = static_cast<std::uint32_t>(std::max({dom->dattr.max_qp_wr, dom->dattr.max_srq_wr, 1}));
+    if (max_slots == 0 || max_slots > device_cap || initial == 0 || initial > max_slots) return false;
+    if (buffer == 0 || buffer > dom->max_msg) return false;
+    peer_max_slots = max_slots;
+    peer_slots = initial;
+    peer_buffer = buffer;
+    return true;
   }
 
   void on_established() {
     established = true;
     refresh_usable();
     credits.release(peer_slots);
+  }
+
+  // fail, remembering why (recv() returns it): the connection's own fault.
+  void fail_with(std::error_code ec) {
+    if (!fail_reason) fail_reason = ec;
+    fail(ec);
   }
 
   // Terminal: pending and later operations fail; the QP is flushed.
@@ -979,13 +1114,16 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (qp) {
       auto it = dom->qp_conns.find(qp_num);
       if (it != dom->qp_conns.end() && it->second == this) dom->qp_conns.erase(it);
-      rdma_destroy_qp(id);
+      if (own_qp)
+        ibv_destroy_qp(qp);
+      else
+        rdma_destroy_qp(id);
     }
     qp = nullptr;
     refresh_usable();
     if (id) rdma_destroy_id(id);
-    id = nullptr;
     if (ech) rdma_destroy_event_channel(ech);
+    id = nullptr;
     ech = nullptr;
     if (srq_grant) {
       // Messages never taken by recv() hold SRQ buffers: back to the SRQ.
@@ -1012,7 +1150,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   // Credits: freed receive buffers go back to the peer.
   void maybe_send_credits() {
-    std::uint32_t threshold = std::max<std::uint32_t>(1, opts.receive_buffers / 4);
+    std::uint32_t threshold = std::max<std::uint32_t>(1, user_slots / 4);
     while (usable() && to_return >= threshold && ctrl_inflight < ctrl_reserve) {
       std::uint32_t n = std::min<std::uint32_t>(to_return, 0xffff);
       ibv_send_wr wr{};
@@ -1115,12 +1253,23 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         return;
       }
     }
+    ++c->rx_count;
     if (wc.opcode == IBV_WC_RECV && (wc.wc_flags & IBV_WC_WITH_IMM)) {
       std::uint32_t imm = ntohl(wc.imm_data);
-      if (imm & 0xffff) c->credits.release(imm & 0xffff);
+      if ((imm & 0xffff) && !c->take_credits(imm & 0xffff)) {
+        if (core* k = s->pool->srq_core) (void)k->post_srq(*s);
+        return;
+      }
       if (imm & ctrl_flag) {  // control message: its receive goes straight back
         if (c->usable() || s->pool->srq_core) (void)c->repost(*s);
         return;
+      }
+    }
+    if (c->user_slots < c->opts.receive_buffers && !c->grow_pending && !c->grow_stopped && !s->pool->srq_core) {
+      c->grow_pending = true;  // the peer uses its credits: more receives at the next poll (post_released)
+      if (!c->in_repost_list) {
+        c->in_repost_list = true;
+        c->dom->repost_conns.push_back(c);
       }
     }
     rx_item it{s, 0, std::nullopt};
@@ -1167,6 +1316,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (e != 0) break;  // as a failed single post: that buffer is not posted, its credit not returned
     }
     released.clear();
+    if (std::exchange(grow_pending, false)) grow_receives();
     maybe_send_credits();
   }
   // SRQ: the buffer went back to the SRQ; the credit goes to this connection.
@@ -1248,6 +1398,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   // A send-queue slot and, for `credit`, a peer receive, if both can be had
   // now (the semaphores are FIFO: this never overtakes a waiter).
   bool try_reserve(bool credit) noexcept {
+    if (ordered_waiting > 0) return false;  // an operation that waited posts first
     if (!sq.try_acquire()) return false;
     if (credit && !credits.try_acquire()) {
       sq.release();
@@ -1360,6 +1511,35 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     return posted_op(this, wr, sge, credit, atomic_result);
   }
 
+  // Operations post in the order they were called. One that must wait for
+  // a send-queue slot or a credit queues on `post_order` (FIFO) and holds it
+  // from its first wait to its post; while any is in there, try_reserve
+  // fails, so no later operation overtakes it. Without this a waiter handed
+  // a unit by release() resumed only after a newer operation had taken
+  // another unit of the same release and posted (transfer-rdma saw chunk 8
+  // before chunk 5 once credits ran short).
+  mutex post_order;
+  std::uint32_t ordered_waiting = 0;  // operations from their first wait to their post
+  struct ordered_turn {  // counts one operation in ordered_waiting, until done()
+    conn_state* c;
+    bool in = true;
+    explicit ordered_turn(conn_state* s) noexcept : c(s) { ++c->ordered_waiting; }
+    void done() noexcept {
+      if (std::exchange(in, false)) --c->ordered_waiting;
+    }
+    ~ordered_turn() { done(); }
+  };
+  // Resumes when a posted_op posted by hand completes.
+  struct posted_wait {
+    posted_op& op;
+    bool await_ready() const noexcept { return op.done; }
+    template <class P>
+    void await_suspend(std::coroutine_handle<P> h) {
+      op.await_suspend(h);
+    }
+    void await_resume() const noexcept {}
+  };
+
   // Waits for a send-queue slot (and a credit), then posts. Callers try
   // try_reserve + post_reserved first, in their own frame.
   task<result<std::uint64_t>> execute(ibv_send_wr wr, ibv_sge sge, bool credit, bool atomic_result,
@@ -1368,6 +1548,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     (void)keep;
     auto self = shared_from_this();
     if (!usable()) co_return disconnected();
+    ordered_turn turn(this);
+    auto order = co_await post_order.lock();
+    if (!order) co_return order.error();
     if (auto r = co_await sq.acquire(); !r) co_return r.error();
     if (credit) {
       if (auto r = co_await credits.acquire(); !r) {
@@ -1375,7 +1558,12 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
         co_return r.error();
       }
     }
-    co_return co_await post_reserved(wr, sge, credit, atomic_result);
+    posted_op op = post_reserved(wr, sge, credit, atomic_result);
+    const bool over = op.await_ready();  // posts
+    turn.done();
+    order->unlock();
+    if (!over) co_await posted_wait{op};
+    co_return op.await_resume();
   }
 
   // ---------------------------------------------------------------- batches
@@ -1444,6 +1632,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     auto self = shared_from_this();
     (void)keep;
     if (!usable()) co_return disconnected();
+    // In call order with the other operations (post_order), all of it.
+    ordered_turn turn(this);
+    auto order = co_await post_order.lock();
+    if (!order) co_return order.error();
     // Chunks of at most send_queue_depth WRs (at most one per WR).
     std::vector<batch_chunk> chunks(wrs.size());
     batch_wait b;
@@ -1531,6 +1723,8 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       if (posted++ == 0) ++inflight_ops;
       first = end;
     }
+    turn.done();
+    order->unlock();
     if (posted > 0 && !early) dom->poll_inline(static_cast<unsigned>(wrs.size()));  // it may be done already
     if (posted > 0) {
       co_await b;
@@ -2057,7 +2251,7 @@ class verbs_connection final : public connection_impl {
         s->rx.pop_front();
         return conn_state::take_message(it);
       }
-      return disconnected();
+      return s->fail_reason ? s->fail_reason : disconnected();
     }
   };
 
@@ -2170,15 +2364,27 @@ task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint ep) {
   if (auto r = st->create_qp(); !r) co_return r.error();
   wire_hello hello;
   rdma_conn_param p = st->conn_param(hello, nullptr);
+  p.qp_num = st->qp_num;  // the QP is not the id's: librdmacm leaves its transitions to us
+  p.srq = st->srq_grant ? 1 : 0;
   if (rdma_connect(st->id, &p) != 0) co_return last_errno();
   e = co_await st->next_event();
   if (!e) co_return e.error();
-  if (e->type != RDMA_CM_EVENT_ESTABLISHED) co_return cm_error(*e);
+  if (e->type != RDMA_CM_EVENT_CONNECT_RESPONSE) co_return cm_error(*e);
+  // The REP: the peer's hello checked, the QP readied with this side's RNR
+  // retry count (not the REP's), then the RTU. A failure here destroys the
+  // id, which rejects the REP.
   if (!st->take_hello(*e)) co_return make_error_code(errc::protocol_error);
+  if (auto r = st->ready_qp(nullptr); !r) co_return r.error();
+  if (rdma_establish(st->id) != 0) co_return last_errno();
   st->on_established();
   co_return result<void>{};
 }
 
+// Connection requests are handled as listener_options says: a request past
+// a cap is rejected at once, with a reject_reason in its private data; an
+// accepted handshake has until its deadline to reach ESTABLISHED; accepted
+// connections on which nothing arrives for idle_timeout fail with
+// errc::idle_timeout. A timerfd on the loop drives the deadlines.
 class verbs_listener final : public listener_impl {
  public:
   verbs_listener(std::shared_ptr<core> d, connection_options o, listener_options lim)
@@ -2190,9 +2396,13 @@ class verbs_listener final : public listener_impl {
     if (!ech_ || !set_nonblock(ech_->fd)) return last_errno();
     if (rdma_create_id(ech_, &id_, this, RDMA_PS_TCP) != 0) return last_errno();
     if (rdma_bind_addr(id_, const_cast<sockaddr*>(ep.data())) != 0) return last_errno();
-    if (rdma_listen(id_, 128) != 0) return last_errno();
+    // The kernel's backlog: requests the listener has not read yet. Large,
+    // so that every request is read at once and answered (accepted or
+    // rejected with a reason) rather than left to the peer's CM retries.
+    if (rdma_listen(id_, 1024) != 0) return last_errno();
     watch_ = new fd_watch(ech_->fd, &on_cm, this);
     watch_->arm(*dom_->loop);
+    if (auto r = start_ticks(); !r) return r;
     return {};
   }
 
@@ -2204,6 +2414,8 @@ class verbs_listener final : public listener_impl {
     }
     auto st = std::move(ready_.front());
     ready_.pop_front();
+    if (limits_.max_connections != 0 || limits_.idle_timeout.count() > 0)
+      accepted_.push_back({st, st->rx_count, clock::now()});
     co_return connection(std::make_unique<verbs_connection>(std::move(st)));
   }
 
@@ -2217,13 +2429,16 @@ class verbs_listener final : public listener_impl {
     if (closed_) return;
     closed_ = true;
     if (watch_) std::exchange(watch_, nullptr)->destroy();
-    for (auto& st : pending_) {
-      st->acceptor = nullptr;
-      st->shutdown();
+    if (tick_) std::exchange(tick_, nullptr)->destroy();
+    if (tfd_ >= 0) ::close(std::exchange(tfd_, -1));
+    for (auto& h : pending_) {
+      h.st->acceptor = nullptr;
+      h.st->shutdown();
     }
     pending_.clear();
     for (auto& st : ready_) st->shutdown();
     ready_.clear();
+    accepted_.clear();
     if (id_) rdma_destroy_id(std::exchange(id_, nullptr));
     if (ech_) rdma_destroy_event_channel(std::exchange(ech_, nullptr));
     ev_.set();
@@ -2238,56 +2453,213 @@ class verbs_listener final : public listener_impl {
       rdma_ack_cm_event(e);
       if (c.type == RDMA_CM_EVENT_CONNECT_REQUEST) self->on_request(c);
     }
-    self->watch_->arm(*self->dom_->loop);
+    if (!self->closed_) self->watch_->arm(*self->dom_->loop);
+    self->tell_refused();
   }
 
-  std::shared_ptr<core> dom_;
-  connection_options opts_;
-  [[maybe_unused]] listener_options limits_;
-  rdma_event_channel* ech_ = nullptr;
-  rdma_cm_id* id_ = nullptr;
-  fd_watch* watch_ = nullptr;
-  // Handshakes run concurrently, driven by CM events: a request is accepted
-  // at once; the connection is ready when ESTABLISHED arrives.
-  void on_request(const cm_evt& req) noexcept {
-    auto st = std::make_shared<conn_state>(dom_, opts_);
-    bool ok = false;
-    if (st->init_channel() && rdma_migrate_id(req.id, st->ech) == 0) {
-      st->id = req.id;
-      req.id->context = st.get();
-      ok = st->take_hello(req) && st->create_qp();
-      wire_hello hello;
-      rdma_conn_param p = st->conn_param(hello, &req);
-      if (ok && rdma_accept(st->id, &p) != 0) ok = false;
-      if (!ok) rdma_reject(st->id, nullptr, 0);
-    } else {
-      rdma_reject(req.id, nullptr, 0);
-      rdma_destroy_id(req.id);
+  // The peer of a request, as far as the CM knows it.
+  static endpoint peer_of(rdma_cm_id* id) noexcept {
+    sockaddr* sa = id ? rdma_get_peer_addr(id) : nullptr;
+    if (!sa || (sa->sa_family != AF_INET && sa->sa_family != AF_INET6)) return {};
+    return endpoint(sa, sa->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in));
+  }
+
+  // listener_options::on_refused, told once the listener's own state is
+  // consistent (at the end of each handler: the application may close the
+  // listener from it).
+  void refused(rdma_cm_id* id, std::string why) {
+    if (limits_.on_refused) refusals_.emplace_back(peer_of(id), std::move(why));
+  }
+  void tell_refused() noexcept {
+    if (refusals_.empty()) return;
+    auto told = std::move(refusals_);
+    refusals_.clear();
+    auto tell = limits_.on_refused;  // the application may even destroy the listener from it
+    for (auto& [peer, why] : told) {
+      try {
+        tell(peer, why);
+      } catch (...) {  // the application's logger: its failure is not the listener's
+      }
     }
-    if (!ok) {
+  }
+
+  static const char* describe(reject_reason why) noexcept {
+    switch (why) {
+      case reject_reason::too_many_handshakes: return "refused: too many handshakes in progress";
+      case reject_reason::backlog_full: return "refused: accept backlog full";
+      case reject_reason::too_many_connections: return "refused: connection cap reached";
+      case reject_reason::bad_hello: return "refused: a hello this side cannot honour (credits or buffer size)";
+      case reject_reason::no_resources: return "refused: no resources (QP, CQ entries or receive buffers)";
+    }
+    return "refused";
+  }
+
+  static void reject(rdma_cm_id* id, reject_reason why) noexcept {
+    const std::uint32_t data[2] = {htonl(reject_magic), htonl(static_cast<std::uint32_t>(why))};
+    rdma_reject(id, data, sizeof data);
+  }
+
+  // Connections of this listener holding resources: handshakes, the
+  // backlog, and accepted ones not dropped yet.
+  std::size_t live_connections() noexcept {
+    std::erase_if(accepted_, [](const accepted_conn& a) {
+      auto sp = a.st.lock();
+      return !sp || sp->dying;
+    });
+    return pending_.size() + ready_.size() + accepted_.size();
+  }
+
+  void on_request(const cm_evt& req) noexcept {
+    std::optional<reject_reason> refuse;
+    if (pending_.size() >= limits_.max_handshakes)
+      refuse = reject_reason::too_many_handshakes;
+    else if (ready_.size() >= limits_.accept_backlog)
+      refuse = reject_reason::backlog_full;
+    else if (limits_.max_connections != 0 && live_connections() >= limits_.max_connections)
+      refuse = reject_reason::too_many_connections;
+    auto st = std::make_shared<conn_state>(dom_, opts_);
+    if (!st->init_channel() || rdma_migrate_id(req.id, st->ech) != 0) {
+      ++dom_->st.handshakes_refused;
+      refused(req.id, describe(reject_reason::no_resources));
+      reject(req.id, reject_reason::no_resources);
+      rdma_destroy_id(req.id);
+      st->shutdown();
+      return;
+    }
+    // The request's id moves to a channel of its own before it is rejected
+    // or destroyed: on the listener's channel that stops the listener.
+    st->id = req.id;
+    req.id->context = st.get();
+    // The hello is checked before anything is allocated for the peer.
+    if (!refuse && !st->take_hello(req)) refuse = reject_reason::bad_hello;
+    wire_hello hello;
+    if (!refuse) {
+      bool ok = static_cast<bool>(st->create_qp());
+      rdma_conn_param p = st->conn_param(hello, &req);
+      ok = ok && static_cast<bool>(st->ready_qp(&p));
+      p.qp_num = st->qp_num;
+      p.srq = st->srq_grant ? 1 : 0;
+      if (ok && rdma_accept(st->id, &p) != 0) ok = false;
+      if (!ok) refuse = reject_reason::no_resources;
+    }
+    if (refuse) {
+      ++dom_->st.handshakes_refused;
+      refused(st->id, describe(*refuse));
+      reject(st->id, *refuse);
       st->shutdown();
       return;
     }
     st->acceptor = this;
     st->on_accept_done = &accept_done;
-    pending_.push_back(std::move(st));
+    pending_.push_back({std::move(st), clock::now() + limits_.handshake_timeout});
   }
-  static void accept_done(void* arg, conn_state* st, bool ok) noexcept {
+
+  static void accept_done(void* arg, conn_state* st, std::error_code failed) noexcept {
     auto* self = static_cast<verbs_listener*>(arg);
-    auto it = std::find_if(self->pending_.begin(), self->pending_.end(), [&](auto& p) { return p.get() == st; });
+    auto it = std::find_if(self->pending_.begin(), self->pending_.end(), [&](auto& h) { return h.st.get() == st; });
     if (it == self->pending_.end()) return;
-    auto sp = std::move(*it);
+    auto sp = std::move(it->st);
     self->pending_.erase(it);
-    if (ok) {
+    if (!failed && self->ready_.size() < self->limits_.accept_backlog) {
       self->ready_.push_back(std::move(sp));
       self->ev_.set();
     } else {
+      if (!failed) {
+        ++self->dom_->st.handshakes_refused;  // the backlog filled up meanwhile
+        self->refused(sp->id, describe(reject_reason::backlog_full));
+      } else {
+        self->refused(sp->id, "handshake failed: " + failed.message());
+      }
       sp->shutdown();
+    }
+    self->tell_refused();
+  }
+
+  // The deadlines are looked at a few times per the shortest of them.
+  result<void> start_ticks() {
+    auto period = limits_.handshake_timeout;
+    if (limits_.idle_timeout.count() > 0) period = std::min(period, limits_.idle_timeout);
+    period = std::clamp(period / 4, std::chrono::milliseconds(20), std::chrono::milliseconds(1000));
+    tfd_ = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (tfd_ < 0) return last_errno();
+    itimerspec its{};
+    its.it_interval.tv_sec = period.count() / 1000;
+    its.it_interval.tv_nsec = (period.count() % 1000) * 1000000;
+    its.it_value = its.it_interval;
+    if (timerfd_settime(tfd_, 0, &its, nullptr) != 0) return last_errno();
+    tick_ = new fd_watch(tfd_, &on_tick, this);
+    tick_->arm(*dom_->loop);
+    return {};
+  }
+
+  static void on_tick(void* arg) noexcept {
+    auto* self = static_cast<verbs_listener*>(arg);
+    std::uint64_t expirations;
+    while (::read(self->tfd_, &expirations, sizeof expirations) > 0) {
+    }
+    self->check_deadlines(clock::now());
+    self->tick_->arm(*self->dom_->loop);
+    self->tell_refused();
+  }
+
+  void check_deadlines(clock::time_point now) noexcept {
+    // Handshakes past their deadline: dropped (the peer sees a reject).
+    for (std::size_t i = 0; i < pending_.size();) {
+      if (now < pending_[i].deadline) {
+        ++i;
+        continue;
+      }
+      auto st = std::move(pending_[i].st);
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      ++dom_->st.handshakes_timed_out;
+      st->acceptor = nullptr;
+      refused(st->id, "handshake failed: not established within " + std::to_string(limits_.handshake_timeout.count()) +
+                          " ms");
+      // Destroyed, not rejected: the REP is still out, and the kernel's CM
+      // cancels it only when the id is destroyed in REP_SENT (it then sends
+      // a REJ of its own, with no private data). rdma_reject would move the
+      // id to timewait with the REP still retried, and its destroy would
+      // wait until the REP's retries ran out: (max_cm_retries + 1) x the
+      // CM response timeout, both taken from the peer's REQ (65 s with
+      // librdmacm's defaults, up to days from a hostile peer).
+      st->shutdown();
+    }
+    if (limits_.idle_timeout.count() <= 0) return;
+    for (auto& a : accepted_) {
+      auto st = a.st.lock();
+      if (!st || st->error || st->dying) continue;
+      if (st->rx_count != a.rx_seen) {
+        a.rx_seen = st->rx_count;
+        a.since = now;
+      } else if (now - a.since >= limits_.idle_timeout) {
+        ++dom_->st.idle_timeouts;
+        st->fail_with(make_error_code(errc::idle_timeout));
+      }
     }
   }
 
-  std::vector<std::shared_ptr<conn_state>> pending_;
+  struct handshake {
+    std::shared_ptr<conn_state> st;
+    clock::time_point deadline;
+  };
+  struct accepted_conn {
+    std::weak_ptr<conn_state> st;
+    std::uint64_t rx_seen = 0;  // the connection's rx_count when last looked at
+    clock::time_point since;    // when it last changed
+  };
+
+  std::shared_ptr<core> dom_;
+  connection_options opts_;
+  listener_options limits_;
+  rdma_event_channel* ech_ = nullptr;
+  rdma_cm_id* id_ = nullptr;
+  fd_watch* watch_ = nullptr;
+  int tfd_ = -1;
+  fd_watch* tick_ = nullptr;
+  std::vector<handshake> pending_;
   std::deque<std::shared_ptr<conn_state>> ready_;
+  std::vector<accepted_conn> accepted_;
+  std::vector<std::pair<endpoint, std::string>> refusals_;  // for on_refused, at the end of a handler
   event ev_;
   bool closed_ = false;
 };
@@ -2354,6 +2726,7 @@ result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opt
       ibv_port_attr pa{};
       if (ibv_query_port(ctx, static_cast<std::uint8_t>(p), &pa) == 0 && pa.state == IBV_PORT_ACTIVE) {
         c->ctx = ctx;
+        c->max_msg = pa.max_msg_sz;
         c->dattr = a;
         c->port = static_cast<std::uint8_t>(p);
         c->name = ibv_get_device_name(ctx->device);

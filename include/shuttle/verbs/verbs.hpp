@@ -80,6 +80,14 @@ struct domain_stats {
   std::uint64_t staged = 0;
   std::uint64_t transient_registrations = 0;
   std::size_t live_connections = 0;  // QPs not destroyed yet (incl. draining)
+  // Listeners of the domain (listener_options): requests refused at once (a
+  // cap, a bad hello, no resources), handshakes dropped at their deadline,
+  // connections ended by idle_timeout, and peers that broke the protocol
+  // (credits past what they announced).
+  std::uint64_t handshakes_refused = 0;
+  std::uint64_t handshakes_timed_out = 0;
+  std::uint64_t idle_timeouts = 0;
+  std::uint64_t protocol_errors = 0;
 };
 result<domain_stats> stats(const domain& d);
 
