@@ -51,7 +51,7 @@ void conn_state::finish() {
   outq.clear();
   sock.close();
   if (origin) --std::exchange(origin, nullptr)->n;
-  finished = true;
+  state_ = phase::finished;
   finished_ev.set();
 }
 
@@ -68,7 +68,7 @@ void conn_state::cancel_op(std::uint64_t seq) {
 void conn_state::release_message(void* owner, std::uint64_t slot) noexcept {
   auto* s = static_cast<conn_state*>(owner);
   s->free_slots.push_back(static_cast<std::uint32_t>(slot));
-  if (!s->stopping && !s->nak_then_drain) {
+  if (s->state() == phase::open) {
     ++s->credits_to_return;
     s->wake_writer();
   }
@@ -78,7 +78,7 @@ void conn_state::release_message(void* owner, std::uint64_t slot) noexcept {
 }
 
 task<result<void>> conn_state::close(std::shared_ptr<conn_state> s) {
-  while (!s->stopping && !s->pending.empty()) {
+  while (s->state() == phase::open && !s->pending.empty()) {
     auto r = co_await s->idle.wait();
     if (!r) co_return r.error();
   }
@@ -87,14 +87,14 @@ task<result<void>> conn_state::close(std::shared_ptr<conn_state> s) {
   // send, so its last writev completed. A peer that does not read gets
   // the linger time.
   const auto deadline = clock::now() + linger;
-  while (!s->stopping && !s->error && clock::now() < deadline &&
+  while (s->state() == phase::open && clock::now() < deadline &&
          (!s->writer_waiter || !s->outq.empty() || s->ack_seq != s->ack_sent || s->credits_to_return != 0)) {
     if ((co_await get_stop_token()).stop_requested()) break;  // a cancelled close aborts
     s->wake_writer();
     co_await yield();
   }
   s->enter_error(err(errc::disconnected));
-  if (!s->finished) {
+  if (s->state() != phase::finished) {
     auto r = co_await s->finished_ev.wait();
     if (!r) co_return r.error();
   }

@@ -15,11 +15,12 @@
 // The wire format is wire.hpp; set-up is connection.cpp, listener.cpp and
 // domain.cpp.
 //
-// Errors: the first error moves the connection to the error state
-// (`stopping`): the socket is shut down, both loops are stopped, and only
-// once both have exited (nothing touches an operation's buffers any more) are
-// the pending operations completed. A cancelled in-flight operation takes the
-// same path (NIC-safe cancellation, as verbs).
+// Errors: the first error moves the connection out of `open` (conn_state::
+// phase): the socket is shut down, both loops are stopped, and only once
+// both have exited (nothing touches an operation's buffers any more) are the
+// pending operations completed. A cancelled in-flight operation takes the
+// same path (NIC-safe cancellation, as verbs). The first error is kept: it is
+// what the pending operations fail with.
 //
 // What the reader, the writer and the operations call per frame is defined
 // here, inline: they were one translation unit, and the hot path stays
@@ -104,6 +105,17 @@ struct inbound {
 };
 
 struct conn_state : std::enable_shared_from_this<conn_state> {
+  // The connection's life. It moves only forward, through the transitions
+  // below: open -> refusing (refuse_peer) or stopping (enter_error), then
+  // -> finished (finish, once both loops have exited).
+  enum class phase : std::uint8_t {
+    open,      // both loops run; operations start
+    refusing,  // we refused the peer's access: the writer sends our NAK, the reader discards what the peer
+               // sends until it closes, both by refuse_deadline; then the loops end by themselves
+    stopping,  // the socket is shut down and the loops are stopped
+    finished,  // both loops exited; every pending operation completed
+  };
+
   conn_state(tcp_socket s, std::shared_ptr<domain_state> d, const connection_options& o, const hello& peer_h,
              endpoint ep);
   ~conn_state();
@@ -148,15 +160,13 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // Writer.
   std::deque<out_frame> outq;
   std::coroutine_handle<> writer_waiter{};
-  bool nak_then_drain = false;
-  clock::time_point nak_deadline{};  // nak_then_drain: when the loops give up on the NAK and the peer
+  clock::time_point refuse_deadline{};  // phase::refusing: when the loops give up on the NAK and the peer
 
-  // State.
-  std::error_code error{};  // what pending/later operations fail with
-  bool stopping = false;    // loops are being stopped
-  int loops = 2;
-  bool finished = false;
-  event finished_ev;
+  // State (change it through the transitions only).
+  phase state() const noexcept { return state_; }
+  std::error_code error{};  // the first error: what pending/later operations fail with; set once not open
+  int loops = 2;            // running: the reader and the writer
+  event finished_ev;        // set on entering phase::finished
   std::stop_source stop;
   std::shared_ptr<live_count> origin;  // the listener's count, for a connection it accepted
 
@@ -184,28 +194,30 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     if (r->waiter) ctx->post(r->waiter);
   }
 
-  void set_error(std::error_code ec) {
-    if (!error) error = ec;
-    // Operations waiting for a slot or a credit wake and see the error.
-    slots.release(slot_waiters);
-    credits.release(credit_waiters);
-    responder_units.release(responder_waiters);
-    inbox.close();
-    idle.set();
-  }
-
-  // The connection goes to the error state: stop both loops; `finish` runs
-  // once both have exited. After a NAK the loops end by themselves (the
+  // Transition: the connection fails with `ec` (the first error is kept).
+  // From open, both loops are stopped (phase::stopping); `finish` runs once
+  // both have exited. While refusing, the loops end by themselves (the
   // writer once the NAK is out, the reader once the peer closed, both by
-  // nak_deadline): whoever drops the connection meanwhile (its application,
-  // on its peer_access_refused) must not cut the NAK off.
+  // refuse_deadline): whoever drops the connection meanwhile (its
+  // application, on its peer_access_refused) must not cut the NAK off.
   void enter_error(std::error_code ec) {
     set_error(ec);
-    if (stopping) return;
-    stopping = true;
-    if (!nak_then_drain) abort_io();
+    if (state_ != phase::open) return;
+    state_ = phase::stopping;
+    abort_io();
   }
 
+  // Transition: we refused the peer's access; its NAK is queued. From open,
+  // the NAK goes out and the peer's bytes are discarded until it closes,
+  // by the linger time (phase::refusing). Once stopping, the socket is shut
+  // down already: only the error is kept.
+  void refuse_peer() {
+    set_error(err(errc::peer_access_refused));
+    refuse_deadline = clock::now() + linger;
+    if (state_ == phase::open) state_ = phase::refusing;
+  }
+
+  // Shuts the socket down and stops both loops (the parked writer wakes to see it).
   void abort_io() {
     if (sock.is_open()) (void)sock.shutdown(SHUT_RDWR);
     stop.request_stop();
@@ -222,7 +234,8 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     if (--loops == 0) finish();
   }
 
-  // Completes every pending operation once neither loop runs.
+  // Transition, once neither loop runs: completes every pending operation
+  // (phase::finished).
   void finish();
 
   // An operation in flight was cancelled: the connection goes to the error state.
@@ -296,6 +309,21 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
                                          std::span<const operation> ops);
   static task<result<message>> recv(std::shared_ptr<conn_state> s);
   static task<result<void>> close(std::shared_ptr<conn_state> s);
+
+ private:
+  // Keeps the first error and wakes whatever waits for a slot, a credit,
+  // a responder unit, a message or the pending operations.
+  void set_error(std::error_code ec) {
+    if (!error) error = ec;
+    // Operations waiting for a slot or a credit wake and see the error.
+    slots.release(slot_waiters);
+    credits.release(credit_waiters);
+    responder_units.release(responder_waiters);
+    inbox.close();
+    idle.set();
+  }
+
+  phase state_ = phase::open;
 };
 
 // Waits for one operation's completion.

@@ -49,7 +49,7 @@ result<memory_grant> tcp_connection::make_grant(const memory_region& r, std::siz
   if (auto c = check_grant(r, offset, len, rights); !c) return c.error();
   auto region = std::dynamic_pointer_cast<tcp_region>(r.impl());
   if (!region || region->dom != s_->dom) return std::make_error_code(std::errc::invalid_argument);
-  if (s_->error || s_->stopping) return err(errc::disconnected);
+  if (s_->state() != conn_state::phase::open) return err(errc::disconnected);
   auto e = std::make_shared<grant_entry>();
   e->conn = s_.get();
   e->region = std::move(region);

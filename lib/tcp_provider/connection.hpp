@@ -39,7 +39,7 @@ class tcp_connection final : public connection_impl {
   task<result<void>> post_batch(std::span<const operation> ops) override;
   result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override;
   task<result<void>> close() override { return conn_state::close(s_); }
-  bool is_open() const noexcept override { return !s_->error && !s_->stopping; }
+  bool is_open() const noexcept override { return s_->state() == conn_state::phase::open; }
   transport_kind kind() const noexcept override { return transport_kind::tcp; }
   std::size_t max_message_size() const noexcept override { return s_->peer.receive_buffer_size; }
   endpoint remote_endpoint() const noexcept override { return s_->remote; }

@@ -34,9 +34,9 @@ void spawn_detached(task<void> t, std::stop_token token) {
 task<void> idle_watch(std::shared_ptr<conn_state> s, std::chrono::milliseconds limit) {
   const auto min_wait = std::max(limit / 16, std::chrono::milliseconds(1));
   std::chrono::milliseconds wait = limit;
-  while (!s->stopping) {
+  while (s->state() == conn_state::phase::open) {
     if (!co_await sleep_for(wait)) break;  // the connection stopped
-    if (s->stopping || !s->sock.is_open()) break;
+    if (s->state() != conn_state::phase::open || !s->sock.is_open()) break;
     tcp_info info{};
     socklen_t len = sizeof info;
     if (::getsockopt(s->sock.native_handle(), IPPROTO_TCP, TCP_INFO, &info, &len) != 0) break;

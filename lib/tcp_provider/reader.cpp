@@ -56,9 +56,7 @@ conn_state::action conn_state::begin_frame(const header& h, std::span<std::byte>
         n.st = status::remote_access_error;
         n.seq = h.seq;
         queue_response(n);
-        nak_then_drain = true;
-        nak_deadline = clock::now() + linger;
-        set_error(err(errc::peer_access_refused));
+        refuse_peer();
         return action::drain;
       }
       std::byte* p = *target;
@@ -194,7 +192,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
     }
     while (a == action::wait_room) {
       auto r = co_await s->responder_room.wait();
-      if (!r || s->stopping) {
+      if (!r || s->state() != phase::open) {
         a = action::io;
         break;
       }
@@ -218,7 +216,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
       if (++frames == reader_frame_budget) {
         frames = 0;
         co_await yield();
-        if (s->stopping && !s->nak_then_drain) break;
+        if (s->state() == phase::stopping) break;
       }
       continue;
     }
@@ -229,7 +227,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
       // linger time is up.
       std::vector<std::byte> scratch(16384);
       for (;;) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->nak_deadline - clock::now());
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->refuse_deadline - clock::now());
         if (left.count() <= 0) break;
         auto n = co_await with_timeout(s->sock.read_some(scratch), left);
         if (!n || *n == 0) break;

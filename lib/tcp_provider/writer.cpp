@@ -27,9 +27,9 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
   std::array<std::byte, header_size> ackh{}, credh{};
   bool ack_waited = false;
   batch.reserve(256);
-  while (!s->stopping || s->nak_then_drain) {
+  while (s->state() == phase::open || s->state() == phase::refusing) {
     if (s->outq.empty() && s->ack_seq == s->ack_sent && s->credits_to_return == 0) {
-      if (s->nak_then_drain) {
+      if (s->state() == phase::refusing) {
         (void)s->sock.shutdown(SHUT_WR);  // the NAK is out; the reader drains until the peer closes
         break;
       }
@@ -75,10 +75,10 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
       iov.push_back({credh.data(), header_size});
     }
     result<void> r;
-    if (!s->nak_then_drain) {
+    if (s->state() != phase::refusing) {
       r = co_await s->sock.writev_all(iov);
     } else {  // a peer that does not read gets until the linger time is up
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->nak_deadline - clock::now());
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->refuse_deadline - clock::now());
       r = left.count() > 0 ? co_await with_timeout(s->sock.writev_all(iov), left) : err(errc::disconnected);
       if (!r) s->abort_io();
     }
