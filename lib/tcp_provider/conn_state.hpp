@@ -32,7 +32,7 @@
 
 #include <shuttle/channel.hpp>
 #include <shuttle/detail/driver.hpp>
-#include <shuttle/detail/transport_impl.hpp>
+#include "../transport/provider.hpp"
 #include <shuttle/io_context.hpp>
 #include <shuttle/sync.hpp>
 #include <shuttle/tcp.hpp>

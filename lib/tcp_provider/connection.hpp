@@ -6,7 +6,7 @@
 
 #include "conn_state.hpp"
 
-#include <shuttle/detail/transport_impl.hpp>
+#include "../transport/provider.hpp"
 
 #include <memory>
 #include <vector>

@@ -4,7 +4,7 @@
 
 #include "wire.hpp"
 
-#include <shuttle/detail/transport_impl.hpp>
+#include "../transport/provider.hpp"
 #include <shuttle/sync.hpp>
 
 #include <array>

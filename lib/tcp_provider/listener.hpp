@@ -3,7 +3,7 @@
 
 #include "domain_state.hpp"
 
-#include <shuttle/detail/transport_impl.hpp>
+#include "../transport/provider.hpp"
 #include <shuttle/tcp.hpp>
 
 #include <memory>
