@@ -1,5 +1,5 @@
 #include <shuttle/io_context.hpp>
-#include <shuttle/detail/spin_clock.hpp>
+#include "spin_clock.hpp"
 #include <shuttle/result.hpp>
 
 #include <sys/eventfd.h>

@@ -1,4 +1,4 @@
-#include <shuttle/detail/spin_clock.hpp>
+#include "spin_clock.hpp"
 
 #include <chrono>
 #include <cstdint>

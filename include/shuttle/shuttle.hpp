@@ -2,6 +2,7 @@
 #pragma once
 
 #include <shuttle/channel.hpp>
+#include <shuttle/endpoint.hpp>
 #include <shuttle/error.hpp>
 #include <shuttle/io_context.hpp>
 #include <shuttle/receive_stream.hpp>

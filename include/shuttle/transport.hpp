@@ -39,10 +39,10 @@
 #include <string_view>
 
 #include <shuttle/detail/connection_op.hpp>
+#include <shuttle/endpoint.hpp>
 #include <shuttle/error.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/task.hpp>
-#include <shuttle/tcp.hpp>  // endpoint
 
 namespace shuttle {
 
@@ -265,7 +265,7 @@ namespace detail {
 // A provider's single operations: connection_op::await_ready calls the
 // entry straight into the provider's code (one indirect call from co_await),
 // which builds the operation in `out` (connection_op.hpp). A provider fills
-// its table with launch_table_of (transport_impl.hpp).
+// its table with launch_table_of (lib/transport/provider.hpp).
 struct launch_table {
   launch_fn<void> send;
   launch_fn<message> recv;
@@ -497,7 +497,6 @@ class connection {
   transport_kind kind() const noexcept;
   std::size_t max_message_size() const noexcept;
   endpoint remote_endpoint() const noexcept;
-  detail::connection_impl* impl() const noexcept { return impl_.get(); }
 
  private:
   std::unique_ptr<detail::connection_impl> impl_;

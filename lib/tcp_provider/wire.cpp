@@ -1,6 +1,6 @@
 #include "wire.hpp"
 
-#include <shuttle/detail/little_endian.hpp>
+#include "../transport/little_endian.hpp"
 #include <shuttle/transport.hpp>
 
 namespace shuttle::tcp_wire {

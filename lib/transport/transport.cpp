@@ -1,7 +1,7 @@
 // The provider-neutral front: wrappers that forward to the provider, and the
 // choice of provider.
-#include <shuttle/detail/little_endian.hpp>
-#include <shuttle/detail/transport_impl.hpp>
+#include "little_endian.hpp"
+#include "provider.hpp"
 
 #include <cstdlib>
 #include <cstring>

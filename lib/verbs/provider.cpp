@@ -34,8 +34,8 @@
 //    that completion. Unsignaled WRs name the chunk's `early` context, which
 //    only ever sees error/flush completions (they come before the chunk's
 //    signaled one, RC completes in order).
-#include <shuttle/detail/spin_clock.hpp>
-#include <shuttle/detail/transport_impl.hpp>
+#include "../spin_clock.hpp"
+#include "../transport/provider.hpp"
 #include <shuttle/io_context.hpp>
 #include <shuttle/sync.hpp>
 #include <shuttle/timer.hpp>

@@ -1,5 +1,5 @@
 // Built when shuttle has no verbs provider: opening one says so.
-#include <shuttle/detail/transport_impl.hpp>
+#include "../transport/provider.hpp"
 #include <shuttle/verbs/verbs.hpp>
 
 namespace shuttle::detail {

@@ -1,6 +1,6 @@
 #include <doctest/doctest.h>
 
-#include <shuttle/detail/spin_clock.hpp>
+#include "../../lib/spin_clock.hpp"
 #include <shuttle/shuttle.hpp>
 
 #include <thread>

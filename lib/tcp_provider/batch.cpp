@@ -1,0 +1,193 @@
+// Batches (connection::post_batch) and prepared operations: the request
+// headers are built once, up front.
+#include "connection.hpp"
+
+namespace shuttle::detail::tcp_provider {
+
+namespace {
+
+task<result<void>> finish_now(std::error_code ec) {
+  if (ec) co_return ec;
+  co_return result<void>{};
+}
+
+}  // namespace
+
+// A batch (connection::post_batch): the frames of a chunk are queued
+// together, so the writer sends them in one writev; the peer's cumulative
+// ACK completes them.
+task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::vector<header> hs,
+                                            std::span<const operation> ops) {
+  std::stop_token token = co_await get_stop_token();
+  if (s->error) co_return s->later_error();
+  if (token.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
+  std::vector<op_rec> recs(ops.size());
+  std::size_t queued = 0;
+  std::error_code early{};
+  const std::size_t max_ops = s->opts.send_queue_depth;
+  while (queued < ops.size() && !early) {
+    // The chunk [queued, end): as many operations as slots, credits and
+    // the peer's responder units allow now (at most send_queue_depth);
+    // only an empty chunk waits, so a batch never holds units while it
+    // waits for more.
+    std::size_t end = queued, credits_taken = 0, responders_taken = 0;
+    while (end < ops.size() && end - queued < max_ops) {
+      const bool c = hs[end].op == opcode::send || hs[end].op == opcode::write_imm;
+      const bool rd = needs_responder(hs[end].op);
+      if (!s->slots.try_acquire()) {
+        if (end > queued) break;
+        ++s->slot_waiters;
+        auto r = co_await s->slots.acquire();
+        --s->slot_waiters;
+        if (!r) {
+          early = r.error();
+          break;
+        }
+      }
+      if (c && !s->credits.try_acquire()) {
+        if (end > queued) {
+          s->slots.release();
+          break;
+        }
+        ++s->credit_waiters;
+        auto r = co_await s->credits.acquire();
+        --s->credit_waiters;
+        if (!r) {
+          s->slots.release();
+          early = r.error();
+          break;
+        }
+      }
+      if (rd && !s->responder_units.try_acquire()) {
+        if (end > queued) {
+          s->slots.release();
+          break;
+        }
+        ++s->responder_waiters;
+        auto r = co_await s->responder_units.acquire();
+        --s->responder_waiters;
+        if (!r) {
+          s->slots.release();
+          early = r.error();
+          break;
+        }
+      }
+      credits_taken += c;
+      responders_taken += rd;
+      ++end;
+    }
+    if (!early && s->error) early = s->later_error();
+    if (early) {
+      s->slots.release(end - queued);
+      s->credits.release(credits_taken);
+      s->responder_units.release(responders_taken);
+      break;
+    }
+    s->credits_out += static_cast<std::uint32_t>(credits_taken);
+    for (std::size_t i = queued; i < end; ++i) {
+      header& h = hs[i];
+      op_rec& rec = recs[i];
+      rec.op = h.op;
+      rec.seq = h.seq = s->next_seq++;
+      rec.owns_slot = true;
+      rec.holds_responder = needs_responder(h.op);
+      if (h.op == opcode::read_req)
+        rec.read_dst = std::span(const_cast<std::byte*>(ops[i].local.data()), ops[i].local.size());
+      out_frame f;
+      encode_header(h, f.hdr);
+      if (h.op != opcode::read_req) {
+        f.payload = ops[i].local.data();
+        f.len = ops[i].local.size();
+      }
+      s->outq.push_back(std::move(f));
+      s->pending.push_back(&rec);
+    }
+    queued = end;
+    s->idle.reset();
+    s->wake_writer();
+  }
+  if (queued > 0) {
+    // What was queued completes (or fails) in order; wait for all of it.
+    std::stop_callback<canceller> cb(token, canceller{s.get(), recs[queued - 1].seq});
+    for (std::size_t i = 0; i < queued; ++i) co_await wait_rec{recs[i]};
+  }
+  for (std::size_t i = 0; i < queued; ++i)
+    if (recs[i].ec) co_return token.stop_requested() ? std::make_error_code(std::errc::operation_canceled) : recs[i].ec;
+  if (early) {
+    if (queued > 0) s->enter_error(err(errc::disconnected));  // part of the batch is done: RC has no partial undo
+    co_return early;
+  }
+  co_return result<void>{};
+}
+
+// A prepared operation: the request header built once; each start is
+// the single operation's task (next to a socket round trip, a frame per
+// start costs nothing measurable).
+struct tcp_connection::prepared_state final : prepared_impl {
+  std::shared_ptr<conn_state> s;
+  header h;
+  std::span<const std::byte> local;
+  op_slot<void> slot;  // the current start's task
+  start_result start() noexcept override { return start_result::pending; }
+  std::coroutine_handle<> suspend(std::coroutine_handle<> awaiter, std::stop_token token) override {
+    if (h.op == opcode::read_req)
+      slot.set_task(read_impl(s, h, {const_cast<std::byte*>(local.data()), local.size()}));
+    else
+      slot.set_task(conn_state::submit_void(s, h, local));
+    if (slot.start()) return awaiter;
+    return slot.suspend(awaiter, std::move(token));
+  }
+  result<void> take() override { return slot.take(); }
+};
+
+// One operation's request header, as post_batch and prepare build it.
+result<header> tcp_connection::header_of(const operation& o) const {
+  switch (o.op) {
+    case operation::type::send: {
+      if (o.local.size() > s_->peer.receive_buffer_size) return make_error_code(errc::message_too_long);
+      header h;
+      h.op = opcode::send;
+      h.length = static_cast<std::uint32_t>(o.local.size());
+      return h;
+    }
+    case operation::type::write:
+    case operation::type::write_with_imm:
+    case operation::type::read: {
+      if (o.local.size() > max_rdma_length) return make_error_code(errc::message_too_long);
+      opcode op = o.op == operation::type::write  ? opcode::write
+                  : o.op == operation::type::read ? opcode::read_req
+                                                  : opcode::write_imm;
+      header h = one_sided(op, o.remote, o.local.size());
+      if (op == opcode::write_imm) {
+        h.flags = flag_imm;
+        h.imm = o.imm;
+      }
+      return h;
+    }
+    default: return std::make_error_code(std::errc::invalid_argument);
+  }
+}
+
+task<result<void>> tcp_connection::post_batch(std::span<const operation> ops) {
+  std::vector<header> hs;
+  hs.reserve(ops.size());
+  for (const operation& o : ops) {
+    auto h = header_of(o);
+    if (!h) return finish_now(h.error());
+    hs.push_back(*h);
+  }
+  if (hs.empty()) return finish_now({});
+  return conn_state::submit_batch(s_, std::move(hs), ops);
+}
+
+result<std::unique_ptr<prepared_impl>> tcp_connection::prepare(const operation& o) {
+  auto h = header_of(o);
+  if (!h) return h.error();
+  auto p = std::make_unique<prepared_state>();
+  p->s = s_;
+  p->h = *h;
+  p->local = o.local;
+  return std::unique_ptr<prepared_impl>(std::move(p));
+}
+
+}  // namespace shuttle::detail::tcp_provider

@@ -1,0 +1,354 @@
+// The tcp provider: RDMA semantics (RC queue pair rules) over a TCP stream,
+// driven by the io_uring loop. Think of it as soft-iWARP in user space.
+//
+// Per connection, one conn_state (internal), shared by the connection object
+// (connection.hpp), its two loop coroutines, the operations in flight and
+// the messages handed out:
+//  - the reader (reader.cpp) validates each frame and applies it: a request
+//    against the domain's registrations (domain_state.hpp), a response to
+//    the pending operations, in order;
+//  - the writer (writer.cpp) gathers queued frames into one writev, plus the
+//    cumulative ACK and the CREDIT frame;
+//  - operations (operations.cpp, batch.cpp) take a send-queue slot (and a
+//    credit for SEND/WRITE_IMM), get a sequence number, queue their frame and
+//    wait for their response.
+// The wire format is wire.hpp; set-up is connection.cpp, listener.cpp and
+// domain.cpp.
+//
+// Errors: the first error moves the connection out of `open` (conn_state::
+// phase): the socket is shut down, both loops are stopped, and only once
+// both have exited (nothing touches an operation's buffers any more) are the
+// pending operations completed. A cancelled in-flight operation takes the
+// same path (NIC-safe cancellation, as verbs). The first error is kept: it is
+// what the pending operations fail with.
+//
+// What the reader, the writer and the operations call per frame is defined
+// here, inline: they were one translation unit, and the hot path stays
+// inlinable across the files.
+#pragma once
+
+#include "domain_state.hpp"
+#include "wire.hpp"
+
+#include <shuttle/channel.hpp>
+#include <shuttle/detail/driver.hpp>
+#include "../transport/provider.hpp"
+#include <shuttle/io_context.hpp>
+#include <shuttle/sync.hpp>
+#include <shuttle/tcp.hpp>
+#include <shuttle/timer.hpp>
+
+#include <sys/socket.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <stop_token>
+#include <vector>
+
+namespace shuttle::detail::tcp_provider {
+
+struct op_rec {
+  opcode op{};
+  std::uint64_t seq = 0;
+  std::span<std::byte> read_dst{};
+  std::coroutine_handle<> waiter{};
+  bool done = false;
+  bool cancelled = false;
+  bool owns_slot = false;  // a batch's: its send-queue slot is returned when it completes
+  bool holds_responder = false;  // READ/atomic: one of the peer's responder units, returned on completion
+  std::error_code ec{};
+  std::uint64_t value = 0;
+};
+
+inline bool is_ack_type(opcode op) noexcept {
+  return op == opcode::send || op == opcode::write || op == opcode::write_imm;
+}
+// Requests that take one of the responder's units (its response is queued).
+inline bool needs_responder(opcode op) noexcept {
+  return op == opcode::read_req || op == opcode::cas || op == opcode::faa;
+}
+
+// Frames the reader handles in one go before it gives the loop turn back:
+// a peer that keeps the socket full must not starve the other connections.
+inline constexpr unsigned reader_frame_budget = 64;
+// How long what we owe a peer (a NAK and the peer's close after it, or on
+// close() the last ACK and credits) may take to go out: a peer that does not
+// read holds the connection no longer than this.
+inline constexpr std::chrono::milliseconds linger{2000};
+
+struct out_frame {
+  std::array<std::byte, header_size> hdr{};
+  const std::byte* payload = nullptr;
+  std::size_t len = 0;
+  std::shared_ptr<tcp_region> hold;  // READ_RESP: the region stays registered while we send from it
+  grant_use use;                     // READ_RESP through a grant: its revoke waits until this is sent
+  bool response = false;             // READ_RESP/ATOMIC_RESP: counts against our responder units
+};
+
+// Bytes of receive buffers held by every connection (stats.hpp).
+inline std::atomic<std::size_t> receive_buffer_bytes{0};
+
+// Connections established through one listener and not finished yet
+// (listener_options::max_connections); shared, as connections outlive it.
+struct live_count {
+  std::uint32_t n = 0;
+};
+
+struct inbound {
+  std::uint32_t slot = 0;
+  std::uint32_t len = 0;
+  std::optional<std::uint32_t> imm;
+};
+
+struct conn_state : std::enable_shared_from_this<conn_state> {
+  // The connection's life. It moves only forward, through the transitions
+  // below: open -> refusing (refuse_peer) or stopping (enter_error), then
+  // -> finished (finish, once both loops have exited).
+  enum class phase : std::uint8_t {
+    open,      // both loops run; operations start
+    refusing,  // we refused the peer's access: the writer sends our NAK, the reader discards what the peer
+               // sends until it closes, both by refuse_deadline; then the loops end by themselves
+    stopping,  // the socket is shut down and the loops are stopped
+    finished,  // both loops exited; every pending operation completed
+  };
+
+  conn_state(tcp_socket s, std::shared_ptr<domain_state> d, const connection_options& o, const hello& peer_h,
+             endpoint ep);
+  ~conn_state();
+
+  io_context* ctx;
+  tcp_socket sock;
+  std::shared_ptr<domain_state> dom;
+  connection_options opts;
+  hello peer;
+  endpoint remote;
+  limits lim;
+
+  // Initiator side.
+  semaphore slots;
+  std::size_t slot_waiters = 0;
+  semaphore credits;
+  std::size_t credit_waiters = 0;
+  std::uint32_t credits_out = 0;  // consumed, not yet returned by the peer
+  semaphore responder_units;      // the peer's READ/atomic requests we may have outstanding
+  std::size_t responder_waiters = 0;
+  std::uint64_t next_seq = 1;
+  std::deque<op_rec*> pending;
+  event idle{true};
+
+  // Target side. A slot's receive buffer is allocated when a message first
+  // arrives for it and kept for the slot's later messages: an idle
+  // connection holds none, a busy one as many as the peer keeps in flight.
+  std::vector<std::unique_ptr<std::byte[]>> slot_buffers;
+  std::vector<std::uint32_t> free_slots;
+  channel<inbound> inbox;
+  std::uint64_t ack_seq = 0, ack_sent = 0;
+  std::uint32_t credits_to_return = 0;
+  std::size_t messages_out = 0;
+  std::shared_ptr<conn_state> keepalive;  // while messages are out
+  std::uint32_t responses_queued = 0;     // READ/atomic responses in outq (bounded: hello's max_responder_ops)
+  event responder_room{true};             // set while responses_queued is below it
+  // The frame being read: its receive slot, or the operation its payload completes.
+  std::uint32_t cur_slot = 0;
+  op_rec* cur_op = nullptr;
+  grant_use cur_use;  // a WRITE through a grant whose payload is being read in: revoke waits for it
+
+  // Writer.
+  std::deque<out_frame> outq;
+  std::coroutine_handle<> writer_waiter{};
+  clock::time_point refuse_deadline{};  // phase::refusing: when the loops give up on the NAK and the peer
+
+  // State (change it through the transitions only).
+  phase state() const noexcept { return state_; }
+  std::error_code error{};  // the first error: what pending/later operations fail with; set once not open
+  int loops = 2;            // running: the reader and the writer
+  event finished_ev;        // set on entering phase::finished
+  std::stop_source stop;
+  std::shared_ptr<live_count> origin;  // the listener's count, for a connection it accepted
+
+  // The slot's receive buffer, allocated on first use, uninitialized (the
+  // payload is read into it); throws std::bad_alloc when memory is out.
+  std::byte* slot_data(std::uint32_t slot) {
+    auto& b = slot_buffers[slot];
+    if (!b) {
+      b = std::make_unique_for_overwrite<std::byte[]>(opts.receive_buffer_size);
+      receive_buffer_bytes.fetch_add(opts.receive_buffer_size, std::memory_order_relaxed);
+    }
+    return b.get();
+  }
+
+  void wake_writer() {
+    if (writer_waiter) ctx->post(std::exchange(writer_waiter, {}));
+  }
+
+  void complete(op_rec* r, std::error_code ec, std::uint64_t v) {
+    if (r->owns_slot) slots.release();
+    if (r->holds_responder) responder_units.release();
+    r->done = true;
+    r->ec = ec;
+    r->value = v;
+    if (r->waiter) ctx->post(r->waiter);
+  }
+
+  // Transition: the connection fails with `ec` (the first error is kept).
+  // From open, both loops are stopped (phase::stopping); `finish` runs once
+  // both have exited. While refusing, the loops end by themselves (the
+  // writer once the NAK is out, the reader once the peer closed, both by
+  // refuse_deadline): whoever drops the connection meanwhile (its
+  // application, on its peer_access_refused) must not cut the NAK off.
+  void enter_error(std::error_code ec) {
+    set_error(ec);
+    if (state_ != phase::open) return;
+    state_ = phase::stopping;
+    abort_io();
+  }
+
+  // Transition: we refused the peer's access; its NAK is queued. From open,
+  // the NAK goes out and the peer's bytes are discarded until it closes,
+  // by the linger time (phase::refusing). Once stopping, the socket is shut
+  // down already: only the error is kept.
+  void refuse_peer() {
+    set_error(err(errc::peer_access_refused));
+    refuse_deadline = clock::now() + linger;
+    if (state_ == phase::open) state_ = phase::refusing;
+  }
+
+  // Shuts the socket down and stops both loops (the parked writer wakes to see it).
+  void abort_io() {
+    if (sock.is_open()) (void)sock.shutdown(SHUT_RDWR);
+    stop.request_stop();
+    wake_writer();
+  }
+
+  // What an operation started after the error fails with: why this side
+  // failed where it knows (it refused the peer's access), else disconnected.
+  std::error_code later_error() const {
+    return error == errc::peer_access_refused ? error : err(errc::disconnected);
+  }
+
+  void loop_exited() {
+    if (--loops == 0) finish();
+  }
+
+  // Transition, once neither loop runs: completes every pending operation
+  // (phase::finished).
+  void finish();
+
+  // An operation in flight was cancelled: the connection goes to the error state.
+  void cancel_op(std::uint64_t seq);
+
+  // Completes ACK-type operations up to `seq`; false on a protocol violation.
+  bool ack_upto(std::uint64_t seq) {
+    if (seq >= next_seq) return false;
+    while (!pending.empty() && pending.front()->seq <= seq) {
+      op_rec* r = pending.front();
+      if (!is_ack_type(r->op)) return false;
+      pending.pop_front();
+      complete(r, {}, 0);
+    }
+    if (pending.empty()) idle.set();
+    return true;
+  }
+
+  // The front operation, which response `seq` answers (earlier ones acked).
+  op_rec* answered(std::uint64_t seq) {
+    if (seq == 0 || !ack_upto(seq - 1)) return nullptr;
+    if (pending.empty() || pending.front()->seq != seq) return nullptr;
+    return pending.front();
+  }
+
+  void pop_complete(op_rec* r, std::error_code ec, std::uint64_t v) {
+    pending.pop_front();
+    complete(r, ec, v);
+    if (pending.empty()) idle.set();
+  }
+
+  // message's release function: the slot is free again, its credit goes back.
+  static void release_message(void* owner, std::uint64_t slot) noexcept;
+
+  void queue_response(header h, const std::byte* payload = nullptr, std::size_t len = 0,
+                      std::shared_ptr<tcp_region> hold = nullptr) {
+    out_frame f;
+    encode_header(h, f.hdr);
+    f.payload = payload;
+    f.len = len;
+    f.hold = std::move(hold);
+    f.response = h.op == opcode::read_resp || h.op == opcode::atomic_resp;
+    if (f.response && ++responses_queued >= our_responder_ops()) responder_room.reset();
+    outq.push_back(std::move(f));
+    wake_writer();
+  }
+
+  static constexpr std::uint32_t our_responder_ops() noexcept { return default_responder_ops; }
+
+  // Reader (reader.cpp).
+  enum class action { next, payload, wait_room, drain, protocol, io };
+  action begin_frame(const header& h, std::span<std::byte>& dst);
+  void finish_payload(const header& h);
+  result<std::size_t> recv_now(std::span<std::byte> buf);
+  static task<void> reader_loop(std::shared_ptr<conn_state> s);
+
+  // Writer (writer.cpp).
+  static task<void> writer_loop(std::shared_ptr<conn_state> s);
+
+  // Runs `t` on the calling loop, owned by nobody.
+  static driver run_detached(task<void> t);
+  // Starts the reader and the writer.
+  void start();
+
+  // Operations (operations.cpp, batch.cpp).
+  static task<result<std::uint64_t>> submit(std::shared_ptr<conn_state> s, header h,
+                                            std::span<const std::byte> payload, std::span<std::byte> read_dst);
+  static task<result<void>> submit_void(std::shared_ptr<conn_state> s, header h,
+                                        std::span<const std::byte> payload);
+  static task<result<void>> submit_batch(std::shared_ptr<conn_state> s, std::vector<header> hs,
+                                         std::span<const operation> ops);
+  static task<result<message>> recv(std::shared_ptr<conn_state> s);
+  static task<result<void>> close(std::shared_ptr<conn_state> s);
+
+ private:
+  // Keeps the first error and wakes whatever waits for a slot, a credit,
+  // a responder unit, a message or the pending operations.
+  void set_error(std::error_code ec) {
+    if (!error) error = ec;
+    // Operations waiting for a slot or a credit wake and see the error.
+    slots.release(slot_waiters);
+    credits.release(credit_waiters);
+    responder_units.release(responder_waiters);
+    inbox.close();
+    idle.set();
+  }
+
+  phase state_ = phase::open;
+};
+
+// Waits for one operation's completion.
+struct wait_rec {
+  op_rec& r;
+  bool await_ready() const noexcept { return r.done; }
+  void await_suspend(std::coroutine_handle<> h) noexcept { r.waiter = h; }
+  void await_resume() const noexcept {}
+};
+
+// A stop request for the operation `seq`, from any thread: cancelled on the
+// connection's loop.
+struct canceller {
+  conn_state* s;
+  std::uint64_t seq;
+  void operator()() const noexcept {
+    if (s->ctx->running_in_this_thread()) {
+      s->cancel_op(seq);
+      return;
+    }
+    try {
+      s->ctx->dispatch([sp = s->shared_from_this(), q = seq] { sp->cancel_op(q); });
+    } catch (...) {
+    }
+  }
+};
+
+}  // namespace shuttle::detail::tcp_provider

@@ -1,0 +1,94 @@
+// The writer: one coroutine per connection. It gathers queued frames into
+// one writev (header and payload iovecs: the payload is never copied in user
+// space), plus the cumulative ACK and the CREDIT frame.
+#include "conn_state.hpp"
+
+#include <sys/uio.h>
+
+#include <vector>
+
+namespace shuttle::detail::tcp_provider {
+
+namespace {
+
+// Parks the writer until wake_writer.
+struct writer_park {
+  conn_state& s;
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) noexcept { s.writer_waiter = h; }
+  void await_resume() const noexcept {}
+};
+
+}  // namespace
+
+task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
+  std::vector<out_frame> batch;
+  std::vector<iovec> iov;
+  std::array<std::byte, header_size> ackh{}, credh{};
+  bool ack_waited = false;
+  batch.reserve(256);
+  while (s->state() == phase::open || s->state() == phase::refusing) {
+    if (s->outq.empty() && s->ack_seq == s->ack_sent && s->credits_to_return == 0) {
+      if (s->state() == phase::refusing) {
+        (void)s->sock.shutdown(SHUT_WR);  // the NAK is out; the reader drains until the peer closes
+        break;
+      }
+      co_await writer_park{*s};
+      continue;
+    }
+    if (s->outq.empty() && s->credits_to_return == 0 && !ack_waited) {
+      // Only an ACK to send: wait one loop turn, so that a response the
+      // application makes to what was just received (a ping-pong, an echo)
+      // carries it in the same segment instead of following it.
+      ack_waited = true;
+      co_await yield();
+      continue;
+    }
+    ack_waited = false;
+    batch.clear();
+    iov.clear();
+    while (!s->outq.empty() && batch.size() < 256) {
+      batch.push_back(std::move(s->outq.front()));
+      s->outq.pop_front();
+      s->responses_queued -= batch.back().response;
+    }
+    if (s->responses_queued < our_responder_ops()) s->responder_room.set();
+    for (auto& f : batch) {
+      iov.push_back({f.hdr.data(), header_size});
+      if (f.len) iov.push_back({const_cast<std::byte*>(f.payload), f.len});
+    }
+    // A cumulative ACK goes after every response queued before it.
+    if (s->outq.empty() && s->ack_seq != s->ack_sent) {
+      header a;
+      a.op = opcode::ack;
+      a.seq = s->ack_seq;
+      encode_header(a, ackh);
+      iov.push_back({ackh.data(), header_size});
+      s->ack_sent = s->ack_seq;
+    }
+    if (s->credits_to_return) {
+      header c;
+      c.op = opcode::credit;
+      c.arg0 = s->credits_to_return;
+      s->credits_to_return = 0;
+      encode_header(c, credh);
+      iov.push_back({credh.data(), header_size});
+    }
+    result<void> r;
+    if (s->state() != phase::refusing) {
+      r = co_await s->sock.writev_all(iov);
+    } else {  // a peer that does not read gets until the linger time is up
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->refuse_deadline - clock::now());
+      r = left.count() > 0 ? co_await with_timeout(s->sock.writev_all(iov), left) : err(errc::disconnected);
+      if (!r) s->abort_io();
+    }
+    batch.clear();
+    if (!r) {
+      s->enter_error(err(errc::disconnected));
+      break;
+    }
+  }
+  s->loop_exited();
+}
+
+}  // namespace shuttle::detail::tcp_provider
