@@ -135,6 +135,9 @@ class io_context {
   bool enter_interrupt_mode();
   void exit_interrupt_mode();
   unsigned reap();
+  // Steps of run_until, inlined into it (defined in io_context.cpp only).
+  [[gnu::always_inline]] inline bool poll_ring(bool enter_anyway);
+  [[gnu::always_inline]] inline void wait_in_ring();
   void arm_wakeup();
   void wake() noexcept;
   static void on_wakeup(detail::io_op* op, int res, std::uint32_t flags) noexcept;
