@@ -42,9 +42,9 @@ class io_context {
     std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
     // How long the loop keeps polling the ring itself (io_uring_get_events,
     // no sleep) after the last completion, pollers or not. A sleeping loop
-    // costs a wake-up (a few microseconds) per completion; latency-bound
-    // users that can spare a core (ping-pong over the tcp provider, as UCX
-    // and perftest spin) set this. 0: sleep as soon as nothing is ready.
+    // pays a wake-up per completion; latency-bound users that can spare a
+    // core (a ping-pong over the tcp provider) set this. 0: sleep as soon
+    // as nothing is ready. Figures: docs/measurements.md.
     std::chrono::nanoseconds ring_spin_budget{0};
     // Slots in the ring's registered-file table, made on the first
     // register_file() and capped by RLIMIT_NOFILE. 0: none (register_file
