@@ -5,8 +5,8 @@
 //   co_await cuda::wait(ev);      // result<void>: the event completed
 //   co_await cuda::wait(stream);  // records an event on the stream, awaits it
 //
-// How a wait is noticed (wait_options::mechanism; docs/cuda-waits.md walks
-// through the code, and keeps the dated measurements that chose the
+// How a wait is noticed (wait_options::mechanism; lib/cuda/await.cpp;
+// docs/measurements.md keeps the dated measurements that chose the
 // default). The default, hybrid, polls with cudaEventQuery and sleeps on a
 // clock, not on a callback: polling an event wakes as fast as a thread
 // spinning in cudaEventSynchronize, while CUDA's host-function callback
