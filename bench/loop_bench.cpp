@@ -2,6 +2,9 @@
 // IORING_OP_NOP in a task) against a raw liburing loop doing the same, with
 // the same ring flags, in one run; plus the cost of creating, resuming and
 // destroying a coroutine. Prints medians of several rounds and the ratios.
+// The same nop round trip is also timed on a spinning loop (the spin-policy
+// path of io_context::run_until): once polling the ring (ring_spin_budget),
+// once busy-polling a poller that always reports work.
 #include <shuttle/detail/uring_op.hpp>
 #include <shuttle/shuttle.hpp>
 
@@ -57,6 +60,13 @@ task<double> shuttle_nop(int n) {
   co_return std::chrono::duration<double, std::nano>(t1 - t0).count() / n;
 }
 
+// Reports work on every poll, so the loop never leaves its spinning path.
+struct busy_poller final : poller {
+  bool poll() override { return true; }
+  bool try_enter_interrupt_mode() override { return false; }
+  void exit_interrupt_mode() override {}
+};
+
 task<int> leaf(int v) { co_return v + 1; }
 
 task<double> coroutine_cost(int n) {
@@ -89,19 +99,32 @@ int main(int argc, char** argv) {
     else
       io_uring_queue_exit(&probe);
   }
-  std::vector<double> raw, sh, co;
+  std::vector<double> raw, sh, co, ring_spin, poller_spin;
   io_context ctx;
+  busy_poller busy;
   for (int r = 0; r < rounds; ++r) {
     raw.push_back(raw_liburing_nop(flags, n));
     sh.push_back(ctx.run(shuttle_nop(n)));
     co.push_back(ctx.run(coroutine_cost(n)));
+    ctx.set_ring_spin_budget(std::chrono::seconds(1));
+    ring_spin.push_back(ctx.run(shuttle_nop(n)));
+    ctx.set_ring_spin_budget(std::chrono::nanoseconds(0));
+    ctx.add_poller(busy);
+    poller_spin.push_back(ctx.run(shuttle_nop(n)));
+    ctx.remove_poller(busy);
   }
   double mr = median(raw), ms = median(sh), mc = median(co);
+  double mring = median(ring_spin), mpoll = median(poller_spin);
   std::printf("event loop nop round trip (%d ops x %d rounds, median)\n", n, rounds);
   std::printf("  raw liburing       %8.1f ns/op\n", mr);
   std::printf("  shuttle co_await   %8.1f ns/op\n", ms);
   std::printf("  ratio shuttle/raw  %8.3f   (target <= 1.2)\n", ms / mr);
+  std::printf("  shuttle, ring spin  %8.1f ns/op   (ring_spin_budget 1 s: never sleeps)\n", mring);
+  std::printf("  shuttle, poller spin %7.1f ns/op   (a poller that always reports work)\n", mpoll);
   std::printf("coroutine create + resume + destroy: %.1f ns\n", mc);
-  std::printf("{\"raw_ns\":%.1f,\"shuttle_ns\":%.1f,\"ratio\":%.3f,\"coroutine_ns\":%.1f}\n", mr, ms, ms / mr, mc);
+  std::printf(
+      "{\"raw_ns\":%.1f,\"shuttle_ns\":%.1f,\"ratio\":%.3f,\"coroutine_ns\":%.1f,\"ring_spin_ns\":%.1f,"
+      "\"poller_spin_ns\":%.1f}\n",
+      mr, ms, ms / mr, mc, mring, mpoll);
   return 0;
 }

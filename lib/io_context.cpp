@@ -1,6 +1,7 @@
 #include <shuttle/io_context.hpp>
-#include "spin_clock.hpp"
 #include <shuttle/result.hpp>
+
+#include "spin_policy.hpp"
 
 #include <sys/eventfd.h>
 #include <sys/resource.h>
@@ -317,6 +318,49 @@ void io_context::run() {
   stop_requested_.store(false);
 }
 
+bool io_context::poll_ring(bool enter_anyway) {
+  // Submit what is queued and run deferred completion work, no wait; true
+  // if completions were reaped. A turn with nothing queued, nothing flagged
+  // and nothing in the CQ makes no call into liburing at all.
+  if (!taskrun_flag_ || enter_anyway || io_uring_sq_ready(&ring_) > 0 ||
+      (IO_URING_READ_ONCE(*ring_.sq.kflags) & (IORING_SQ_TASKRUN | IORING_SQ_CQ_OVERFLOW)))
+    io_uring_submit_and_get_events(&ring_);
+  return io_uring_cq_ready(&ring_) > 0 && reap() > 0;
+}
+
+void io_context::wait_in_ring() {
+  // Remote posts and stop() write the eventfd, whose read is always armed:
+  // sleeping here cannot miss them.
+  ++sleeps_;
+  int r = io_uring_submit_and_wait(&ring_, 1);
+  if (r < 0 && r != -EINTR && r != -ETIME && r != -EBUSY && r != -EAGAIN)
+    throw_errno(-r, "io_uring_submit_and_wait");
+}
+
+// The two ways a completion resumes its coroutine:
+//  - inline, on the spot. Ring completions do (uring_op_base::on_complete):
+//    reap() copies a batch of CQEs and advances the CQ before it calls any
+//    completion, so a resumed coroutine may submit and reap again without
+//    harm. The CUDA wait poller does too (lib/cuda/await.cpp, sweep: the
+//    finished waits are unlinked first). It saves a trip through ready_.
+//  - posted (io_context::post), resumed by the next run_ready. The verbs
+//    provider's CQ poller does so (op_wait::complete in lib/verbs): its CQ
+//    poll runs not only from poll_pollers but also inside an operation's
+//    launch, which peeks at the CQ right after ibv_post_send, that is in
+//    the middle of another coroutine's co_await and of the poller's array
+//    of work completions. Resuming there would nest coroutines and re-enter
+//    the poller. From poll_pollers the coroutine resumes in the run_ready
+//    right after the poll (same turn); from a launch's peek, a turn later.
+//
+// One turn of the loop, step by step (the spin policy, lib/spin_policy.hpp,
+// holds the busy-polling budgets):
+//  1. run ready work: remote posts, then the coroutines ready now;
+//  2. poll the pollers, and run what they woke;
+//  3. decide: go on (work was done, coroutines are ready, or the spin
+//     policy says spin) or go to sleep;
+//  4. going on: submit and reap the ring without waiting, next turn;
+//  5. going to sleep: offer the pollers interrupt mode (any may refuse:
+//     spin on), then enter the kernel and wait; reap what woke the loop.
 void io_context::run_until(const bool& done, bool stoppable) {
   if (!running_in_this_thread())
     throw std::logic_error("shuttle::io_context: run on a thread other than the one that created it");
@@ -326,72 +370,34 @@ void io_context::run_until(const bool& done, bool stoppable) {
     ~current_guard() { current_context = previous; }
   } guard(this);
 
-  // Spin budgets run on spin_clock: a busy-polling turn must cost little
-  // more than the polls themselves, and a clock_gettime can take
-  // microseconds (an emulated HPET clocksource). Even so the clock is read
-  // once every `clock_every` turns; work seen in between is stamped at the
-  // next read. The kernel is entered only when there is something to
-  // submit or completion work waiting (taskrun flag), or else once every
-  // `enter_every` turns.
-  using detail::spin_clock;
-  // The budgets are read each time: set_ring_spin_budget may change one
-  // while the loop runs.
-  auto spin_budget = [this] { return std::int64_t(opts_.spin_budget.count()); };
-  auto ring_spin_budget = [this] { return std::int64_t(opts_.ring_spin_budget.count()); };
-  std::int64_t last_work = spin_clock::now_ns();
-  std::int64_t last_completion = last_work;  // for ring_spin_budget
-  constexpr unsigned clock_every = 16, enter_every = 64;
-  unsigned turn = 0;
-  bool spinning = false, work_unstamped = false, completion_unstamped = false;
+  detail::spin_policy spin(opts_.spin_budget, opts_.ring_spin_budget, pollers_);
   while (!done && !(stoppable && stop_requested_.load(std::memory_order_relaxed))) {
-    // Remote work first: a task posted here before the loop started (a
+    // 1. Remote work first: a task posted here before the loop started (a
     // spawn) must be running before the ready coroutines look for it.
     bool work = drain_remote();
     run_ready();
+    // 2. What the pollers woke runs now, not after this turn's ring checks.
     if (!pollers_.empty() && poll_pollers()) {
       work = true;
-      run_ready();  // what the pollers woke runs now, not after this turn's ring checks
+      run_ready();
     }
     if (done) break;
-    ++turn;
-    if (pollers_.empty() && ring_spin_budget() == 0) {
-      spinning = false;
-    } else {
-      if (work) work_unstamped = true;
-      if (!spinning || turn % clock_every == 0) {  // a turn about to stop spinning looks first
-        const std::int64_t now = spin_clock::now_ns();
-        if (work_unstamped || now < last_work) last_work = now;
-        if (completion_unstamped || now < last_completion) last_completion = now;
-        work_unstamped = completion_unstamped = false;
-        spinning =
-            (!pollers_.empty() && now - last_work < spin_budget()) || now - last_completion < ring_spin_budget();
-      }
-    }
+    // 3. Go on or sleep.
+    const bool spinning = spin.next_turn(work);
     if (work || !ready_.empty() || spinning) {
-      // Submit what is queued and run deferred completion work, no wait.
-      // A spinning turn with nothing queued, nothing flagged and nothing
-      // in the CQ makes no call into liburing at all.
-      if (!taskrun_flag_ || turn % enter_every == 0 || io_uring_sq_ready(&ring_) > 0 ||
-          (IO_URING_READ_ONCE(*ring_.sq.kflags) & (IORING_SQ_TASKRUN | IORING_SQ_CQ_OVERFLOW)))
-        io_uring_submit_and_get_events(&ring_);
-      if (io_uring_cq_ready(&ring_) > 0 && reap() > 0 && ring_spin_budget() > 0) completion_unstamped = true;
+      // 4. Go on: poll the ring, no wait.
+      if (poll_ring(spin.enter_due())) spin.reaped_completions();
       continue;
     }
+    // 5. Sleep, unless a poller saw work while arming (then spin on).
     if (!pollers_.empty() && !enter_interrupt_mode()) {
-      last_work = spin_clock::now_ns();
-      spinning = true;
+      spin.interrupt_mode_refused();
       continue;
     }
-    // Remote posts and stop() write the eventfd, whose read is always armed:
-    // sleeping here cannot miss them.
-    ++sleeps_;
-    int r = io_uring_submit_and_wait(&ring_, 1);
-    if (r < 0 && r != -EINTR && r != -ETIME && r != -EBUSY && r != -EAGAIN)
-      throw_errno(-r, "io_uring_submit_and_wait");
+    wait_in_ring();
     if (!pollers_.empty()) exit_interrupt_mode();
     reap();
-    last_work = last_completion = spin_clock::now_ns();
-    spinning = !pollers_.empty() || ring_spin_budget() > 0;
+    spin.woke_up();
   }
 }
 

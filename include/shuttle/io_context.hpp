@@ -42,9 +42,9 @@ class io_context {
     std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
     // How long the loop keeps polling the ring itself (io_uring_get_events,
     // no sleep) after the last completion, pollers or not. A sleeping loop
-    // costs a wake-up (a few microseconds) per completion; latency-bound
-    // users that can spare a core (ping-pong over the tcp provider, as UCX
-    // and perftest spin) set this. 0: sleep as soon as nothing is ready.
+    // pays a wake-up per completion; latency-bound users that can spare a
+    // core (a ping-pong over the tcp provider) set this. 0: sleep as soon
+    // as nothing is ready. Figures: docs/measurements.md.
     std::chrono::nanoseconds ring_spin_budget{0};
     // Slots in the ring's registered-file table, made on the first
     // register_file() and capped by RLIMIT_NOFILE. 0: none (register_file
@@ -135,6 +135,9 @@ class io_context {
   bool enter_interrupt_mode();
   void exit_interrupt_mode();
   unsigned reap();
+  // Steps of run_until, inlined into it (defined in io_context.cpp only).
+  [[gnu::always_inline]] inline bool poll_ring(bool enter_anyway);
+  [[gnu::always_inline]] inline void wait_in_ring();
   void arm_wakeup();
   void wake() noexcept;
   static void on_wakeup(detail::io_op* op, int res, std::uint32_t flags) noexcept;

@@ -5,18 +5,12 @@
 //   co_await cuda::wait(ev);      // result<void>: the event completed
 //   co_await cuda::wait(stream);  // records an event on the stream, awaits it
 //
-// How a wait is noticed, chosen by measurement on an H200
-// (bench/gpu/wait_bench.cpp: launch-to-wake of a spin kernel against a
-// thread spinning in cudaEventSynchronize with cudaDeviceScheduleSpin, in the
-// same run; its header keeps the table). The raw candidates: cudaEventQuery
-// polled matched cudaEventSynchronize (ratio 0.97-1.01 from 0 us to 2 ms
-// kernels, 100% of a CPU); a cuStreamWriteValue32 flag in pinned memory
-// polled was as fast (0.85-1.01) but needs a stream operation per wait and
-// an event besides for errors; cudaLaunchHostFunc writing an eventfd woke
-// 20-200 us late (ratio 3.0-5.5 at 0 us, 1.4-1.6 at 200 us, 1.08-1.10 at
-// 2 ms) at 4-130% CPU: the machine's interrupt-driven callback path is
-// slow. So the default, hybrid, polls with cudaEventQuery and sleeps on a
-// clock, not on a callback:
+// How a wait is noticed (wait_options::mechanism; lib/cuda/await.cpp;
+// docs/measurements.md keeps the dated measurements that chose the
+// default). The default, hybrid, polls with cudaEventQuery and sleeps on a
+// clock, not on a callback: polling an event wakes as fast as a thread
+// spinning in cudaEventSynchronize, while CUDA's host-function callback
+// path can wake tens of microseconds late.
 //
 //  - while the youngest pending wait is younger than `spin`, the thread's
 //    wait poller (a shuttle::poller) queries every pending event on each
@@ -33,12 +27,6 @@
 //    take), from a ring timeout once the ring is quiet; then the poller
 //    leaves the loop's poll list and the loop sleeps in io_uring. A new wait
 //    puts the poller back on the poll list.
-//
-// Measured through co_await (ratio to cudaEventSynchronize, CPU; six
-// runs): 0 us kernel 0.90-1.04 and 20 us 0.96-1.02, both 100%; 200 us
-// 1.03-1.07 at 57-68%; 2 ms 1.03 at 15-19% (the old spin-then-host-function
-// hybrid: 1.12, 0.99, 1.02 at 113%, 1.09 at 15%). A larger sleep_divisor
-// buys a little latency for CPU (age/32: 2 ms 1.02 at 27%).
 //
 // host_func (a host function on an auxiliary stream, cudaStreamWaitEvent +
 // cudaLaunchHostFunc, writes an eventfd the loop watches) remains available;
