@@ -4,8 +4,32 @@
 // with children still running terminates, as std::thread does), so no child
 // outlives the objects the scope's owner gave it.
 //
-// Children get the scope's stop token: request_stop() cancels them all. The
-// first exception a child lets escape is rethrown by join().
+// Stop, as P2300's counting_scope and libunifex's async_scope define it:
+//  - Children get the scope's stop token; request_stop() stops them all.
+//    Stop is sticky: a task spawned after it still starts, with a stopped
+//    token, so it sees the stop at its first cancellable await, runs its own
+//    clean-up, and is joined like the others (it is not silently dropped).
+//  - A scope follows its owner's stop token, so with_timeout or when_any
+//    around a task that owns a scope reach the scope's children:
+//      async_scope s;  // follows the task that awaits s.join(): a stop
+//                      // requested on it, before or during join(), stops
+//                      // the children.
+//      async_scope s{co_await get_stop_token()};  // also from construction:
+//                      // the children stop as soon as the creating task is
+//                      // stopped, before it reaches join().
+//      async_scope s{async_scope::independent};  // opt out: only
+//                      // request_stop() stops the children (say, to drain
+//                      // connections after the owner itself was stopped).
+//    A default-constructed scope cannot follow its creator from construction:
+//    C++ gives a constructor no way to see the coroutine it runs in, and
+//    join() is the first point where the scope meets its owner.
+//  - join() is cancellable in that stopping the joiner stops the children,
+//    but it never abandons them: it completes only once the last child has
+//    finished, because children hold references into their owner's frame.
+//    A child that ignores its token (a blocking system call, a loop that
+//    never awaits) keeps join() waiting; bound such a child itself.
+//  - The first exception a child lets escape is rethrown by join(); it does
+//    not stop the child's siblings.
 #pragma once
 
 #include <atomic>
@@ -13,6 +37,7 @@
 #include <cstdio>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <stop_token>
 
 #include <shuttle/detail/driver.hpp>
@@ -21,8 +46,23 @@
 namespace shuttle {
 
 class async_scope {
+  struct forward_stop {
+    std::stop_source* target;
+    void operator()() const noexcept { target->request_stop(); }
+  };
+  using stop_link = std::optional<std::stop_callback<forward_stop>>;
+
  public:
+  struct independent_t {
+    explicit independent_t() = default;
+  };
+  // Tag: a scope whose children only request_stop() stops.
+  static constexpr independent_t independent{};
+
   async_scope() = default;
+  // Follows `parent` from now on (and the joiner's token in join()).
+  explicit async_scope(std::stop_token parent) { parent_link_.emplace(std::move(parent), forward_stop{&stop_}); }
+  explicit async_scope(independent_t) noexcept : follows_joiner_(false) {}
   async_scope(const async_scope&) = delete;
   async_scope& operator=(const async_scope&) = delete;
   ~async_scope() {
@@ -51,20 +91,30 @@ class async_scope {
   class join_awaitable {
    public:
     explicit join_awaitable(async_scope& s) noexcept : s_(s) {}
+    // Movable before it is awaited (as_task, with_timeout take it by value);
+    // the stop link exists only while suspended.
+    join_awaitable(join_awaitable&& o) noexcept : s_(o.s_) {}
     bool await_ready() const noexcept { return false; }
-    bool await_suspend(std::coroutine_handle<> h) noexcept {
+    template <class P>
+    bool await_suspend(std::coroutine_handle<P> h) {
+      // Linked before the count is read, and outside the lock: a stop that
+      // is already requested runs the link here, and a child that finishes
+      // inside it takes the lock in on_child_done.
+      if (s_.follows_joiner_) link_.emplace(detail::stop_token_of(h), forward_stop{&s_.stop_});
       std::lock_guard lock(s_.mutex_);
       if (s_.active_.load(std::memory_order_relaxed) == 0) return false;
       s_.joiner_ = h;
       return true;
     }
-    void await_resume() const {
+    void await_resume() {
+      link_.reset();
       std::lock_guard lock(s_.mutex_);
       if (s_.error_) std::rethrow_exception(std::exchange(s_.error_, nullptr));
     }
 
    private:
     async_scope& s_;
+    stop_link link_;
   };
   // co_await scope.join(): waits for every task spawned so far (and any they spawn).
   join_awaitable join() noexcept { return join_awaitable{*this}; }
@@ -93,6 +143,8 @@ class async_scope {
   std::atomic<std::size_t> active_{0};
   std::coroutine_handle<> joiner_{};
   std::stop_source stop_;
+  stop_link parent_link_;  // after stop_: unlinked before the source goes
+  bool follows_joiner_ = true;
   std::mutex mutex_;
   std::exception_ptr error_;
 };
