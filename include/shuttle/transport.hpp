@@ -219,13 +219,17 @@ struct connection_options {
 // connection established. A refused peer's socket is closed at once (it
 // reads EOF, without the server's hello).
 struct listener_options {
-  // Handshakes in progress at once; a connection request past it is
-  // refused at once (verbs: a reject with a reason in its private data).
+  // Handshakes in progress at once. tcp provider: past it, new peers wait
+  // in the kernel's listen backlog until a handshake ends (a burst of good
+  // clients is served, not refused). verbs: a connection request past it is
+  // rejected at once, with a reason in the reject's private data.
   std::uint32_t max_handshakes = 64;
   // How long a peer has to finish its handshake; past it, it is dropped.
   std::chrono::milliseconds handshake_timeout{5000};
-  // Connections established and not yet taken by accept(); past it new
-  // requests are refused (tcp provider: 0 counts as 1).
+  // Connections established and not yet taken by accept(). tcp provider:
+  // handshakes in progress count too, and past it new peers wait in the
+  // kernel's backlog, so an established connection is never dropped for
+  // want of room (0 counts as 1). verbs: past it new requests are rejected.
   std::uint32_t accept_backlog = 64;
   // Connections from this listener alive at once (0: no cap); past it a
   // new request is refused. Handshakes in progress count too, so that they

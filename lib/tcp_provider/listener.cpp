@@ -1,5 +1,6 @@
 // The tcp provider's listener: accept() takes TCP connections from the
-// kernel, refuses what is over its limits, and runs the handshakes in the
+// kernel while under its limits (the rest wait in the kernel's backlog),
+// refuses what is over the connection cap, and runs the handshakes in the
 // background, each with its own deadline.
 #include "listener.hpp"
 
@@ -68,11 +69,12 @@ struct listener_core {
   std::uint32_t handshakes = 0;  // in progress
   std::error_code failure{};     // the listening socket's own error, for accept()
   event established;             // set when a handshake puts a connection in `ready`, and on close
+  event slot_freed;              // set when a handshake ends, and on close
   bool closed = false;
   std::stop_source stop;
 
-  // A new TCP connection that may not start its handshake (refusal()) is
-  // closed at once (the peer reads EOF) and costs nothing more.
+  // A new TCP connection refused (refusal()) is closed at once (the peer
+  // reads EOF) and costs nothing more.
 
   void close() noexcept {
     if (closed) return;
@@ -82,6 +84,7 @@ struct listener_core {
     ready.close();
     while (ready.try_receive()) {}  // established, never taken: closed here
     established.set();              // accept() calls waiting fail
+    slot_freed.set();
   }
 
   void refused(const tcp_socket& peer, std::string_view why) const {
@@ -93,11 +96,19 @@ struct listener_core {
     }
   }
 
+  // Whether another handshake may start: under the cap on handshakes, and
+  // with room in the backlog for it and every handshake in progress, so
+  // that an established connection never finds the backlog full. While it
+  // may not, new peers stay in the kernel's listen backlog (a burst of good
+  // clients waits there instead of being refused); a silent peer holds its
+  // slot for handshake_timeout at most.
+  bool may_start_handshake() const noexcept {
+    return handshakes < limits.max_handshakes && ready.size() + handshakes < ready.capacity();
+  }
+
   // Why a new TCP connection is refused at once, or nullptr if it may start
   // its handshake.
   const char* refusal() const noexcept {
-    if (handshakes >= limits.max_handshakes) return "refused: too many handshakes in progress";
-    if (ready.size() >= ready.capacity()) return "refused: accept backlog full";
     if (limits.max_connections != 0 && live->n + handshakes >= limits.max_connections)
       return "refused: connection cap reached";
     return nullptr;
@@ -115,6 +126,11 @@ struct listener_core {
   // refuses it. Run by accept(): a socket it got is never lost, even when
   // accept() stops waiting for it (a handshake finished first).
   static task<void> accept_one(std::shared_ptr<listener_core> c) {
+    while (!c->may_start_handshake()) {
+      c->slot_freed.reset();
+      (void)co_await c->slot_freed.wait();
+      if (c->closed || (co_await get_stop_token()).stop_requested()) co_return;
+    }
     auto s = co_await c->sock.accept();
     if (c->closed) co_return;
     if (!s) {
@@ -143,6 +159,7 @@ struct listener_core {
   static task<void> handshake_one(std::shared_ptr<listener_core> c, tcp_socket sock) {
     auto s = co_await with_timeout(handshake(sock, c->dom, c->opts), c->limits.handshake_timeout);
     --c->handshakes;
+    c->slot_freed.set();
     if (!s) {  // a failed, late or cancelled hello: `sock` closes here
       if (!c->closed && s.error() != std::errc::operation_canceled)
         c->refused(sock, "handshake failed: " + s.error().message());
@@ -154,8 +171,8 @@ struct listener_core {
     if (c->limits.idle_timeout.count() > 0)
       spawn_detached(idle_watch(*s, c->limits.idle_timeout), (*s)->stop.get_token());
     connection conn = make_connection(std::move(*s));
-    // Closed meanwhile, or the backlog filled up since refusal(): refused, and
-    // `conn` closes here.
+    // Closed meanwhile: `conn` closes here (may_start_handshake() kept room
+    // in the backlog for it).
     if (!c->closed && c->ready.try_send(conn)) c->established.set();
   }
 };
@@ -181,7 +198,10 @@ class tcp_listener_impl final : public listener_impl {
  private:
   static task<result<connection>> accept_impl(std::shared_ptr<listener_core> c) {
     for (;;) {
-      if (auto conn = c->ready.try_receive()) co_return std::move(*conn);
+      if (auto conn = c->ready.try_receive()) {
+        c->slot_freed.set();  // room in the backlog: another accept() may start a handshake
+        co_return std::move(*conn);
+      }
       if (c->closed || c->ready.closed())
         co_return c->failure ? c->failure : std::make_error_code(std::errc::bad_file_descriptor);
       c->established.reset();
