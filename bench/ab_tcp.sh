@@ -54,7 +54,8 @@
 #   PERF ("write_bw:65536 write_bw:1048576 read_bw:65536 read_bw:1048576
 #   write_lat:8"; empty: no perf rows), PERF_DEPTH (16, as tcp_perf.sh),
 #   SERVER_CPUS / CLIENT_CPUS (taskset lists; "" with PIN=0: not pinned),
-#   SERVER_THREADS (1), CLIENT_THREADS, ECHO=0 (no echo rows).
+#   SERVER_THREADS (1), CLIENT_THREADS, ECHO=0 (no echo rows),
+#   TCP_SERVER_ARGS (more echo server options for the tcp rows, both sets).
 # e.g. REPS=7 bench/ab_tcp.sh /tmp/old/examples build-ab/examples
 # A full run (5 reps, 3 s echo runs) takes about 4 minutes per echo mode and
 # 2 for the perf rows on 16 quiet cores; under a 10-minute limit per command
@@ -89,6 +90,7 @@ if [ $quick = 1 ]; then reps=${REPS:-3} duration=${DURATION:-1}; else reps=${REP
 sizes=${SIZES:-64 4096}
 conns_list=${CONNS:-1 64 1024}
 modes=${MODES:-tcp tcp-provider}
+tcp_server_args=${TCP_SERVER_ARGS:-}  # e.g. "--recv-ring 1024": both servers, tcp rows
 perf_points=${PERF-write_bw:65536 write_bw:1048576 read_bw:65536 read_bw:1048576 write_lat:8}
 depth=${PERF_DEPTH:-16}
 sthreads=${SERVER_THREADS:-1}
@@ -135,7 +137,7 @@ has_flag() { "$1" --help 2>&1 | grep -q -- "$2"; }
 # ---------------------------------------------------------------- echo
 start_echo_server() {  # dir mode conns -> spid, port ("" on failure)
   local args=(--port 0 --transport "$2")
-  if [ "$2" = tcp ]; then args+=(--threads "$sthreads")
+  if [ "$2" = tcp ]; then args+=(--threads "$sthreads" $tcp_server_args)
   elif has_flag "$1/shuttle-echo-server" --max-handshakes && [ "$3" -gt 64 ]; then
     args+=(--max-handshakes "$3")
   fi
@@ -244,6 +246,7 @@ declare -A own_client=()
 a_wire=
 echo "# ab_tcp: A = $A"
 echo "#         B = $B"
+if [ -n "$tcp_server_args" ]; then echo "# tcp rows: both servers also get: $tcp_server_args"; fi
 echo "# $reps reps per point, alternated; echo ${duration}s per run, $sthreads server thread(s) (tcp)," \
   "$cthreads client thread(s); perf depth $depth (bw); cpus server '${server_cpus:-any}'" \
   "client '${client_cpus:-any}'; $cores cpus, load $(cut -d' ' -f1-3 /proc/loadavg)$([ $quick = 1 ] && echo '; QUICK')"
