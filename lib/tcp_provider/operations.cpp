@@ -9,9 +9,16 @@ namespace shuttle::detail::tcp_provider {
 namespace {
 
 template <class T>
+task<result<T>> fail(std::error_code e) {
+  co_return e;
+}
+template <class T>
 task<result<T>> fail(errc e) {
   co_return make_error_code(e);
 }
+// An atomic on a word that is not 8-byte aligned fails here, before any
+// frame, as verbs does: the connection stays usable.
+bool misaligned(const remote_buffer& r) noexcept { return r.address % 8 != 0; }
 
 }  // namespace
 
@@ -147,12 +154,14 @@ task<result<void>> tcp_connection::read_task(std::span<std::byte> local, remote_
 }
 task<result<std::uint64_t>> tcp_connection::compare_and_swap_task(remote_buffer remote, std::uint64_t expected,
                                                                   std::uint64_t desired) {
+  if (misaligned(remote)) return fail<std::uint64_t>(std::make_error_code(std::errc::invalid_argument));
   header h = one_sided(opcode::cas, remote, 8);
   h.arg0 = expected;
   h.arg1 = desired;
   return conn_state::submit(s_, h, {}, {});
 }
 task<result<std::uint64_t>> tcp_connection::fetch_and_add_task(remote_buffer remote, std::uint64_t add) {
+  if (misaligned(remote)) return fail<std::uint64_t>(std::make_error_code(std::errc::invalid_argument));
   header h = one_sided(opcode::faa, remote, 8);
   h.arg0 = add;
   return conn_state::submit(s_, h, {}, {});

@@ -368,6 +368,31 @@ TEST_CASE("atomics: compare_and_swap and fetch_and_add") {
   }());
 }
 
+// Both providers refuse a misaligned atomic locally (verbs requires 8-byte
+// alignment), and the connection stays usable.
+TEST_CASE("atomics: a misaligned word fails with invalid_argument; the connection stays usable") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    alignas(8) std::array<std::uint64_t, 3> words{10, 20, 30};
+    auto mr = p.server_domain->register_memory(std::as_writable_bytes(std::span(words)), access::all).value();
+    auto c = co_await p.client.compare_and_swap(mr.remote(4, 8), 0, 1);
+    REQUIRE_FALSE(c.has_value());
+    CHECK(c.error() == std::errc::invalid_argument);
+    auto f = co_await p.client.fetch_and_add(mr.remote(12, 8), 1);
+    REQUIRE_FALSE(f.has_value());
+    CHECK(f.error() == std::errc::invalid_argument);
+    CHECK(words[0] == 10);
+    CHECK(words[1] == 20);
+    f = co_await p.client.fetch_and_add(mr.remote(8, 8), 5);  // still usable
+    REQUIRE(f.has_value());
+    CHECK(*f == 20);
+    CHECK(words[1] == 25);
+    co_await close_pair(p);
+  }());
+}
+
 TEST_CASE("atomics: several connections add to one word") {
   io_context ctx;
   ctx.run([]() -> task<void> {
