@@ -64,8 +64,10 @@ std::error_code make_wc_error(int ibv_wc_status) noexcept;
 // CQ policy of a verbs domain: after its last completion, the domain's CQ
 // poller keeps the loop busy-polling for `budget` while operations are in
 // flight or a recv() waits (a ping-pong's receiver spins as perftest's does),
-// then arms ibv_req_notify_cq and lets the loop sleep. The loop's own
-// io_context::options::spin_budget bounds it too: set both for latency.
+// then arms ibv_req_notify_cq and lets the loop sleep. The loop keeps its
+// own io_context::options::spin_budget too: while the domain refuses to
+// sleep the loop spins on, so the longer of the two budgets wins (one cannot
+// shorten the other).
 // errc::not_supported for a non-verbs domain.
 result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget);
 
