@@ -305,12 +305,11 @@ task<void> connect_all(thread_state& ts, shuttle::endpoint ep, std::chrono::nano
 }
 
 // Last phase: the transport API's connections and domain go on their own
-// thread (the provider winds down there).
+// thread (what the provider still winds down ends on that loop).
 task<void> teardown(thread_state& ts) {
   for (auto& c : ts.connections) c.conn = shuttle::connection{};
-  if (!ts.domain) co_return;
-  (void)co_await shuttle::sleep_for(std::chrono::milliseconds(5));
   ts.domain.reset();
+  co_return;
 }
 
 // Writes then, on failure, shuts the socket down so that the concurrent read
@@ -484,7 +483,6 @@ void on_every_thread(shuttle::runtime& rt, MakeTask make) {
 struct options {
   std::string host = "127.0.0.1";
   unsigned port = 0;
-  bool port_set = false;
   std::size_t connections = 1;
   std::size_t size = 64;
   double duration = 5;
@@ -497,59 +495,52 @@ struct options {
   bool register_files = true;
 };
 
-const char* const kUsage =
+const char* const kSynopsis =
     "usage: shuttle-echo-client --port P [--host H] [--connections C] [--size S] [--duration T]\n"
     "       [--requests N] [--threads N] [--connect-timeout T] [--json] [--transport T] [--recv-ring N]\n"
-    "       [--no-registered-files]\n"
-    "  --host H             server address or name (default 127.0.0.1)\n"
-    "  --port P             server port\n"
-    "  --connections C      concurrent connections (default 1)\n"
-    "  --size S             bytes per request (default 64)\n"
-    "  --duration T         seconds of load, fractions allowed (default 5)\n"
-    "  --requests N         instead of a duration: N requests per connection, however long\n"
-    "                       they take (a check that must not depend on the machine's speed)\n"
-    "  --threads N          client threads; connections are spread over them (default 1)\n"
-    "  --connect-timeout T  seconds allowed for each connect (default 5)\n"
-    "  --json               also print the results as one JSON line (the last line)\n"
-    "  --transport T        tcp (sockets, default), rdma (verbs provider, rdma_cm) or\n"
-    "                       tcp-provider (RDMA semantics over TCP): the last two send each\n"
-    "                       request as one message, at most the connection's max_message_size()\n"
-    "  --recv-ring N        tcp: receive replies through a ring of N kernel-provided buffers per\n"
-    "                       thread (multishot recv; N a power of two; default 0: a recv per reply)\n"
-    "  --no-registered-files  tcp: name each socket by its fd, not by a slot in the ring's\n"
-    "                       registered-file table (for comparisons)\n";
+    "       [--no-registered-files]\n";
 
 options parse_options(int argc, char** argv) {
   options o;
-  cli::parser p{kProg, kUsage};
-  p.parse(argc, argv,
-          {
-              {"--json", [&] { o.json = true; }},
-              {"--no-registered-files", [&] { o.register_files = false; }},
-              {"--host", [&](std::string_view v) { o.host = std::string(v); }},
-              {"--port",
-               [&](std::string_view v) {
-                 o.port = static_cast<unsigned>(p.count("--port", v, 1, 65535));
-                 o.port_set = true;
-               }},
-              {"--connections", [&](std::string_view v) { o.connections = p.count("--connections", v, 1, 1'000'000); }},
-              {"--size", [&](std::string_view v) { o.size = p.count("--size", v, 1, 1ull << 30); }},
-              {"--duration", [&](std::string_view v) { o.duration = p.seconds("--duration", v); }},
-              {"--requests", [&](std::string_view v) { o.requests = p.count("--requests", v, 1, 1ull << 40); }},
-              {"--threads", [&](std::string_view v) { o.threads = p.count("--threads", v, 1, 1024); }},
-              {"--connect-timeout", [&](std::string_view v) { o.connect_timeout = p.seconds("--connect-timeout", v); }},
-              {"--transport",
-               [&](std::string_view v) {
-                 o.transport = p.transport_name(
-                     "--transport", v, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider});
-               }},
-              {"--recv-ring",
-               [&](std::string_view v) {
-                 o.recv_ring = p.count("--recv-ring", v, 1, 32768);
-                 if (!std::has_single_bit(o.recv_ring)) p.fail_with_usage("--recv-ring: N must be a power of two");
-               }},
-          });
-  if (!o.port_set) p.fail_with_usage("--port is required");
+  CLI::App app{"Load generator and checker for an echo server.", kProg};
+  cli::setup(app, kSynopsis);
+  app.add_option("--host", o.host, "server address or name (default 127.0.0.1)")->type_name("H");
+  // Required, but checked after parsing: an unknown option is the error to report first.
+  auto* port = app.add_option("--port", o.port, "server port, required")->type_name("P")->transform(cli::count(1, 65535));
+  app.add_option("--connections", o.connections, "concurrent connections (default 1)")
+      ->type_name("C")
+      ->transform(cli::count(1, 1'000'000));
+  app.add_option("--size", o.size, "bytes per request (default 64)")->type_name("S")->transform(cli::count(1, 1ull << 30));
+  app.add_option("--duration", o.duration, "seconds of load, fractions allowed (default 5)")
+      ->type_name("T")
+      ->check(cli::seconds());
+  app.add_option("--requests", o.requests,
+                 "instead of a duration: N requests per connection, however long they take (a check that must not "
+                 "depend on the machine's speed)")
+      ->type_name("N")
+      ->transform(cli::count(1, 1ull << 40));
+  app.add_option("--threads", o.threads, "client threads; connections are spread over them (default 1)")
+      ->type_name("N")
+      ->transform(cli::count(1, 1024));
+  app.add_option("--connect-timeout", o.connect_timeout, "seconds allowed for each connect (default 5)")
+      ->type_name("T")
+      ->check(cli::seconds());
+  app.add_flag("--json", o.json, "also print the results as one JSON line (the last line)");
+  cli::add_transport(app, o.transport, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider},
+                     "tcp (sockets, default), rdma (verbs provider, rdma_cm) or tcp-provider (RDMA semantics over "
+                     "TCP): the last two send each request as one message, at most the connection's "
+                     "max_message_size()");
+  app.add_option("--recv-ring", o.recv_ring,
+                 "tcp: receive replies through a ring of N kernel-provided buffers per thread (multishot recv; N a "
+                 "power of two; default 0: a recv per reply)")
+      ->type_name("N")
+      ->transform(cli::count(1, 32768))
+      ->check(cli::power_of_two());
+  app.add_flag_function(
+      "--no-registered-files", [&](std::int64_t) { o.register_files = false; },
+      "tcp: name each socket by its fd, not by a slot in the ring's registered-file table (for comparisons)");
+  cli::parse(app, argc, argv);
+  if (!port->count()) cli::fail(app, "--port is required");
   return o;
 }
 

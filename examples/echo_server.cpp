@@ -328,7 +328,6 @@ task<int> wait_for_signal(shuttle::signal_set& signals) {
 
 struct options {
   unsigned port = 0;
-  bool port_set = false;
   std::size_t threads = 1;
   cli::transport transport = cli::transport::socket;
   std::string bind = "0.0.0.0";
@@ -339,91 +338,82 @@ struct options {
   bool limits_set = false;
 };
 
-const char* const kUsage =
+const char* const kSynopsis =
     "usage: shuttle-echo-server --port P [--threads N] [--transport T] [--bind ADDR]\n"
     "                           [--max-message BYTES] [--recv-ring N] [--no-registered-files]\n"
-    "  --port P             port to listen on (0: pick a free one and print it)\n"
-    "  --threads N          event-loop threads, one listener each (default 1; tcp only)\n"
-    "  --transport T        tcp (sockets, default), rdma (verbs provider, rdma_cm) or\n"
-    "                       tcp-provider (RDMA semantics over TCP): the last two use the transport API\n"
-    "  --bind ADDR          numeric address to bind (default 0.0.0.0; '::' for IPv6)\n"
-    "  --max-message BYTES  rdma, tcp-provider: largest message accepted (default 65536;\n"
-    "                       suffixes k, m, g)\n"
-    "  --recv-ring N        tcp: receive through a ring of N kernel-provided buffers per thread\n"
-    "                       (multishot recv; N a power of two; default 0: a buffer per connection)\n"
-    "  --no-registered-files  tcp: operations name each socket by its fd, not by a slot in the\n"
-    "                       ring's registered-file table (for comparisons)\n"
-    "  --max-handshakes N   rdma, tcp-provider: handshakes in progress at once; past it a peer\n"
-    "                       is refused (rdma) or waits in the kernel's backlog (tcp-provider)\n"
-    "                       (default 64)\n"
-    "  --handshake-timeout MS  rdma, tcp-provider: how long a peer has to finish its handshake\n"
-    "                       (default 5000)\n"
-    "  --max-connections N  rdma, tcp-provider: connections alive at once; past it new peers\n"
-    "                       are refused (default 0: no cap)\n"
-    "  --idle-timeout MS    rdma, tcp-provider: a connection on which nothing arrives for this\n"
-    "                       long is closed (default 0: never)\n";
+    "                           [--max-handshakes N] [--handshake-timeout MS] [--max-connections N]\n"
+    "                           [--idle-timeout MS]\n";
 
 options parse_options(int argc, char** argv) {
   options o;
-  bool max_set = false;
-  cli::parser p{kProg, kUsage};
-  p.parse(argc, argv,
-          {
-              {"--port",
-               [&](std::string_view v) {
-                 o.port = static_cast<unsigned>(p.count("--port", v, 0, 65535));
-                 o.port_set = true;
-               }},
-              {"--threads", [&](std::string_view v) { o.threads = p.count("--threads", v, 1, 1024); }},
-              {"--transport",
-               [&](std::string_view v) {
-                 o.transport = p.transport_name(
-                     "--transport", v, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider});
-               }},
-              {"--bind", [&](std::string_view v) { o.bind = std::string(v); }},
-              {"--no-registered-files", [&] { o.register_files = false; }},
-              {"--recv-ring",
-               [&](std::string_view v) {
-                 o.recv_ring = p.count("--recv-ring", v, 0, 32768);
-                 if (o.recv_ring & (o.recv_ring - 1)) p.fail("--recv-ring must be a power of two");
-               }},
-              {"--max-handshakes",
-               [&](std::string_view v) {
-                 o.limits.max_handshakes = static_cast<std::uint32_t>(p.count("--max-handshakes", v, 1, 1u << 20));
-                 o.limits_set = true;
-               }},
-              {"--handshake-timeout",
-               [&](std::string_view v) {
-                 o.limits.handshake_timeout =
-                     std::chrono::milliseconds(p.count("--handshake-timeout", v, 1, 3'600'000));
-                 o.limits_set = true;
-               }},
-              {"--max-connections",
-               [&](std::string_view v) {
-                 o.limits.max_connections =
-                     static_cast<std::uint32_t>(p.count("--max-connections", v, 0, 1u << 24));
-                 o.limits_set = true;
-               }},
-              {"--idle-timeout",
-               [&](std::string_view v) {
-                 o.limits.idle_timeout = std::chrono::milliseconds(p.count("--idle-timeout", v, 0, 86'400'000));
-                 o.limits_set = true;
-               }},
-              {"--max-message",
-               [&](std::string_view v) {
-                 o.max_message = p.bytes("--max-message", v, 1, 1ull << 30);
-                 max_set = true;
-               }},
-          });
-  if (!o.port_set) p.fail_with_usage("--port is required");
+  CLI::App app{"Echoes back what its clients send, over TCP sockets or the transport API.", kProg};
+  cli::setup(app, kSynopsis);
+  // Required, but checked after parsing: an unknown option is the error to report first.
+  auto* port = app.add_option("--port", o.port, "port to listen on, required (0: pick a free one and print it)")
+      ->type_name("P")
+      ->transform(cli::count(0, 65535));
+  app.add_option("--threads", o.threads, "event-loop threads, one listener each (default 1; tcp only)")
+      ->type_name("N")
+      ->transform(cli::count(1, 1024));
+  cli::add_transport(app, o.transport, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider},
+                     "tcp (sockets, default), rdma (verbs provider, rdma_cm) or tcp-provider (RDMA semantics over "
+                     "TCP): the last two use the transport API");
+  app.add_option("--bind", o.bind, "numeric address to bind (default 0.0.0.0; '::' for IPv6)")->type_name("ADDR");
+  auto* max_message = app.add_option("--max-message", o.max_message,
+                                     "rdma, tcp-provider: largest message accepted (default 65536; suffixes k, m, g)")
+                          ->type_name("BYTES")
+                          ->transform(cli::bytes(1, 1ull << 30));
+  app.add_option("--recv-ring", o.recv_ring,
+                 "tcp: receive through a ring of N kernel-provided buffers per thread (multishot recv; N a power of "
+                 "two; default 0: a buffer per connection)")
+      ->type_name("N")
+      ->transform(cli::count(0, 32768))
+      ->check(cli::power_of_two());
+  app.add_flag_function(
+      "--no-registered-files", [&](std::int64_t) { o.register_files = false; },
+      "tcp: operations name each socket by its fd, not by a slot in the ring's registered-file table (for "
+      "comparisons)");
+  std::uint32_t max_handshakes = o.limits.max_handshakes, max_connections = o.limits.max_connections;
+  std::uint64_t handshake_ms = static_cast<std::uint64_t>(o.limits.handshake_timeout.count());
+  std::uint64_t idle_ms = static_cast<std::uint64_t>(o.limits.idle_timeout.count());
+  CLI::Option* limits[] = {
+      app.add_option("--max-handshakes", max_handshakes,
+                     "rdma, tcp-provider: handshakes in progress at once; past it a peer is refused (rdma) or waits "
+                     "in the kernel's backlog (tcp-provider) (default " + std::to_string(max_handshakes) + ")")
+          ->type_name("N")
+          ->transform(cli::count(1, 1u << 20)),
+      app.add_option("--handshake-timeout", handshake_ms,
+                     "rdma, tcp-provider: how long a peer has to finish its handshake (default " +
+                         std::to_string(handshake_ms) + ")")
+          ->type_name("MS")
+          ->transform(cli::count(1, 3'600'000)),
+      app.add_option("--max-connections", max_connections,
+                     "rdma, tcp-provider: connections alive at once; past it new peers are refused (default 0: no "
+                     "cap)")
+          ->type_name("N")
+          ->transform(cli::count(0, 1u << 24)),
+      app.add_option("--idle-timeout", idle_ms,
+                     "rdma, tcp-provider: a connection on which nothing arrives for this long is closed (default 0: "
+                     "never)")
+          ->type_name("MS")
+          ->transform(cli::count(0, 86'400'000)),
+  };
+  cli::parse(app, argc, argv);
+  if (!port->count()) cli::fail(app, "--port is required");
+  o.limits.max_handshakes = max_handshakes;
+  o.limits.max_connections = max_connections;
+  o.limits.handshake_timeout = std::chrono::milliseconds(handshake_ms);
+  o.limits.idle_timeout = std::chrono::milliseconds(idle_ms);
+  for (auto* l : limits) o.limits_set = o.limits_set || l->count() > 0;
   if (o.transport != cli::transport::socket && o.threads > 1)
-    p.fail("--threads " + std::to_string(o.threads) + " needs --transport tcp: over " + cli::to_string(o.transport) +
-           " a listener and its connections belong to one thread");
-  if (o.transport == cli::transport::socket && max_set)
-    p.fail("--max-message applies to --transport rdma and tcp-provider (a TCP stream has no messages)");
+    cli::fail(app, "--threads " + std::to_string(o.threads) + " needs --transport tcp: over " +
+                       cli::to_string(o.transport) + " a listener and its connections belong to one thread");
+  if (o.transport == cli::transport::socket && max_message->count())
+    cli::fail(app, "--max-message applies to --transport rdma and tcp-provider (a TCP stream has no messages)");
   if (o.transport == cli::transport::socket && o.limits_set)
-    p.fail("--max-handshakes, --handshake-timeout, --max-connections and --idle-timeout apply to --transport rdma "
-           "and tcp-provider");
+    cli::fail(app,
+              "--max-handshakes, --handshake-timeout, --max-connections and --idle-timeout apply to --transport "
+              "rdma and tcp-provider");
   return o;
 }
 
@@ -556,14 +546,10 @@ task<shuttle::result<void>> open_transport(transport_server& srv, const options&
   co_return shuttle::result<void>{};
 }
 
-// serve(), then the domain goes on its own thread once the provider wound
-// down.
+// serve(), then the domain goes on its own thread (what the provider still
+// winds down ends on that loop: transport.hpp, "Lifetimes").
 task<void> serve_transport(transport_server& srv, thread_stats& stats) {
   co_await serve(0, std::move(srv.listener), stats);
-  // In a scope of its own: the pause runs even though this task was stopped.
-  shuttle::async_scope pause;
-  pause.spawn([]() -> task<void> { (void)co_await shuttle::sleep_for(std::chrono::milliseconds(5)); }());
-  co_await pause.join();
   srv.domain.reset();
 }
 
@@ -593,7 +579,7 @@ int run_transport_server(const options& opts) {
     rt.join();
     return 1;
   }
-  const unsigned port = srv.listener.local_endpoint().port();
+  const unsigned port = srv.listener.local_endpoint()->port();
   const std::string provider = srv.domain->describe();
   std::promise<void> done;
   auto served = done.get_future();

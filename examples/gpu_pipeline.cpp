@@ -4,12 +4,14 @@
 // to end. Over the tcp provider (staged through pinned bounce buffers) on
 // loopback, sender and receiver on one loop.
 //
-//   shuttle-gpu-pipeline [MiB=256] [chunk KiB=1024] [rounds=16]
+//   shuttle-gpu-pipeline [MiB=256] [chunk KiB=1024] [rounds=16]   (--help: more)
 #include <shuttle/cuda/cuda.hpp>
 #include <shuttle/cuda/kernels.hpp>
 #include <shuttle/cuda/staged.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
+
+#include "cli.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -20,13 +22,21 @@
 using namespace shuttle;
 
 int main(int argc, char** argv) {
+  std::size_t mib = 256, chunk_kib = 1024;
+  unsigned rounds = 16;
+  CLI::App app{"A staged GPU pipeline over the tcp provider on loopback, checksums verified per chunk.",
+               "shuttle-gpu-pipeline"};
+  cli::setup(app, "usage: shuttle-gpu-pipeline [MiB] [CHUNK_KiB] [ROUNDS]\n");
+  app.add_option("MiB", mib, "MiB to transfer (default 256)")->type_name("")->transform(cli::count(1, 1u << 16));
+  app.add_option("CHUNK_KiB", chunk_kib, "KiB per chunk (default 1024)")->type_name("")->transform(cli::count(1, 1u << 20));
+  app.add_option("ROUNDS", rounds, "compute rounds of the producer and consumer kernels, their load (default 16)")->type_name("")->transform(cli::count(1, 1u << 20));
+  cli::parse(app, argc, argv);
   if (cuda::device_count() == 0) {
     std::puts("no CUDA device");
     return 77;
   }
-  const std::size_t len = (argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 256) << 20;
-  const std::size_t chunk = (argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1024) << 10;
-  const unsigned rounds = argc > 3 ? unsigned(std::strtoul(argv[3], nullptr, 10)) : 16;
+  const std::size_t len = mib << 20;
+  const std::size_t chunk = chunk_kib << 10;
   const std::size_t chunks = (len + chunk - 1) / chunk;
   io_context ctx;
   domain_options dopt;
@@ -34,7 +44,7 @@ int main(int argc, char** argv) {
   auto sd = domain::open(dopt).value();
   auto cd = domain::open(dopt).value();
   auto l = sd.listen(endpoint::parse("127.0.0.1:0").value()).value();
-  auto ep = endpoint::parse("127.0.0.1:" + std::to_string(l.local_endpoint().port())).value();
+  auto ep = endpoint::parse("127.0.0.1:" + std::to_string(l.local_endpoint()->port())).value();
   auto [server, client] = ctx.run(when_all(l.accept(), cd.connect(ep)));
   connection rx = std::move(server).value(), tx = std::move(client).value();
 

@@ -8,6 +8,8 @@
 #include <shuttle/cuda/gpu_memory.hpp>
 #endif
 
+#include "cli.hpp"
+
 #include <cctype>
 #include <cstdio>
 #include <fstream>
@@ -22,8 +24,13 @@ std::string read_line(const std::string& path) {
 }
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   using namespace shuttle;
+  CLI::App app{"RDMA devices, ports and GIDs; GPUs with their PCIe and NUMA placement; the GPU registration path "
+               "that works on this host.",
+               "shuttle-info"};
+  cli::setup(app, "usage: shuttle-info\n");
+  cli::parse(app, argc, argv);
   std::printf("RDMA devices:\n");
   auto devs = verbs::list_devices();
   if (!devs || devs->empty()) std::printf("  none\n");

@@ -36,7 +36,8 @@
 // after the last completion before it sleeps.
 //
 // Output: perftest's table (MB = 2^20 bytes, as perftest), and with --json one
-// JSON object per row on its own line. Errors: a message on stderr, exit 1.
+// JSON object per row on its own line. Errors: a message on stderr, exit 1
+// (2 for bad usage).
 // The server ends when its client goes (with --loop: never), or on SIGINT/
 // SIGTERM: a clean exit (0) with the line "shuttle-perf: served N sessions
 // (F failed)".
@@ -44,6 +45,7 @@
 #include <shuttle/transport.hpp>
 #include <shuttle/verbs/verbs.hpp>
 
+#include "cli.hpp"
 #include "tool_support.hpp"
 
 #include <algorithm>
@@ -224,133 +226,106 @@ struct options {
   bool prepared = true;             // latency tests: --ops prepared | single
 };
 
-void usage(FILE* f) {
-  std::fputs(
-      "usage: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]        (server)\n"
-      "       shuttle-perf HOST [--transport tcp|verbs] [--port P]\n"
-      "                    --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic\n"
-      "                    [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--slots N] [--warmup N] [--json]\n"
-      "                                                                                      (client)\n"
-      "common: --device NAME (verbs, e.g. rxe0)  --gid-index N (verbs)  --rx-depth N (posted receives, 512)\n"
-      "        --rx-size S (bytes per receive buffer, 64K: the largest send the peer accepts)\n"
-      "        --inline N (sends up to N bytes go inline, verbs; 64; 0: none, as perftest on rxe)\n"
-      "        --spin-us N (busy-poll the completion queue this long after the last completion, 5000)\n"
-      "        --write-lat-method poll|imm|auto (write_lat: poll memory, or write_with_imm ping-pong;\n"
-      "                                          auto: poll on verbs, imm on tcp)\n"
-      "        --ops prepared|single (latency tests: each iteration starts one operation prepared\n"
-      "                               before the loop (connection::prepare), as perftest posts one\n"
-      "                               pre-built WR; or calls read()/write()/send(); prepared. The\n"
-      "                               write_with_imm ping-pong always calls write_with_imm())\n"
-      "        --batch B (bw: operations per post_batch, one signaled completion each; default depth/4 in\n"
-      "                   1..64, i.e. 32 at depth 128; 1: every operation signaled, no post list)\n"
-      "        --slots N (bw: the buffer slots of one message size that the operations cycle through, on\n"
-      "                   each side; default the depth, one per operation in flight; 1: every operation\n"
-      "                   on the same buffer, as perftest's ib_*_bw above 2 KiB)\n"
-      "        --unregistered (client: its local buffer is not registered; operations on memory the\n"
-      "                   library does not own, docs/memory-registration.md)\n"
-      "sizes take K/M suffixes (4K = 4096). Defaults: bw 64K x5000 depth 128, lat 2 B x1000, atomic 8 B.\n",
-      f);
-}
-
-std::uint64_t parse_size(const std::string& s, const char* opt) {
-  char* end = nullptr;
-  errno = 0;
-  unsigned long long v = std::strtoull(s.c_str(), &end, 10);
-  if (errno || end == s.c_str()) fail(std::string("bad value for ") + opt + ": '" + s + "'");
-  std::string suf(end);
-  if (suf == "K" || suf == "k" || suf == "KiB") v <<= 10;
-  else if (suf == "M" || suf == "m" || suf == "MiB") v <<= 20;
-  else if (suf == "G" || suf == "g" || suf == "GiB") v <<= 30;
-  else if (!suf.empty()) fail(std::string("bad value for ") + opt + ": '" + s + "'");
-  return v;
-}
+const char* const kSynopsis =
+    "usage: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]        (server)\n"
+    "       shuttle-perf HOST [--transport tcp|verbs] [--port P]\n"
+    "                    --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic\n"
+    "                    [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--slots N] [--warmup N] [--json]\n"
+    "                                                                                      (client)\n"
+    "sizes take K/M/G suffixes (4K = 4096). Defaults: bw 64K x5000 depth 128, lat 2 B x1000, atomic 8 B.\n";
 
 options parse_args(int argc, char** argv) {
   options o;
-  std::vector<std::string> a(argv + 1, argv + argc);
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const std::string& k = a[i];
-    auto val = [&]() -> std::string {
-      if (i + 1 >= a.size()) fail("option " + k + " needs a value");
-      return a[++i];
-    };
-    if (k == "-h" || k == "--help") {
-      usage(stdout);
-      std::exit(0);
-    } else if (k == "--transport") {
-      auto r = parse_transport_kind(val());
-      if (!r) fail("bad --transport (tcp, verbs or auto)");
-      o.kind = *r;
-    } else if (k == "--port" || k == "-p") {
-      auto v = parse_size(val(), "--port");
-      if (v > 65535) fail("bad --port");
-      o.port = static_cast<std::uint16_t>(v);
-    } else if (k == "--bind") {
-      o.bind = val();
-    } else if (k == "--device" || k == "-d") {
-      o.device = val();
-    } else if (k == "--gid-index" || k == "-x") {
-      o.gid_index = static_cast<int>(parse_size(val(), "--gid-index"));
-    } else if (k == "--test" || k == "-t") {
-      auto v = val();
-      o.test = find_test(v);
-      if (!o.test) fail("unknown test '" + v + "'");
-    } else if (k == "--size" || k == "-s") {
-      o.size = parse_size(val(), "--size");
-      if (o.size == 0) fail("--size must be > 0");
-    } else if (k == "--sweep" || k == "-a") {
-      o.sweep = true;
-    } else if (k == "--iters" || k == "-n") {
-      o.iters = parse_size(val(), "--iters");
-      if (o.iters == 0) fail("--iters must be > 0");
-    } else if (k == "--warmup") {
-      o.warmup = parse_size(val(), "--warmup");
-    } else if (k == "--depth" || k == "-D") {
-      o.depth = parse_size(val(), "--depth");
-      if (o.depth == 0 || o.depth > 65536) fail("--depth must be in 1..65536");
-    } else if (k == "--batch" || k == "-l") {
-      o.batch = parse_size(val(), "--batch");
-      if (o.batch == 0 || o.batch > 65536) fail("--batch must be in 1..65536");
-    } else if (k == "--rx-size") {
-      o.rx_size = parse_size(val(), "--rx-size");
-      if (o.rx_size < sizeof(ctrl) || o.rx_size > (1u << 30))
-        fail("--rx-size must be in " + std::to_string(sizeof(ctrl)) + "..1G (control messages travel by send)");
-    } else if (k == "--rx-depth") {
-      o.rx_depth = static_cast<std::uint32_t>(parse_size(val(), "--rx-depth"));
-      if (o.rx_depth == 0 || o.rx_depth > 65536) fail("--rx-depth must be in 1..65536");
-    } else if (k == "--inline") {
-      const auto v = parse_size(val(), "--inline");
-      if (v > 4096) fail("--inline: at most 4096 bytes");
-      o.max_inline = static_cast<std::uint32_t>(v);
-    } else if (k == "--unregistered") {
-      o.unregistered = true;
-    } else if (k == "--slots") {
-      o.slots = parse_size(val(), "--slots");
-      if (o.slots == 0) fail("--slots must be at least 1");
-    } else if (k == "--ops") {
-      std::string v = val();
-      if (v != "prepared" && v != "single") fail("--ops must be prepared or single");
-      o.prepared = v == "prepared";
-    } else if (k == "--spin-us") {
-      o.spin_us = parse_size(val(), "--spin-us");
-    } else if (k == "--write-lat-method") {
-      o.lat_method = val();
-      if (o.lat_method != "poll" && o.lat_method != "imm" && o.lat_method != "auto")
-        fail("--write-lat-method: poll, imm or auto");
-    } else if (k == "--json") {
-      o.json = true;
-    } else if (k == "--loop") {
-      o.loop = true;
-    } else if (!k.empty() && k[0] == '-') {
-      fail("unknown option " + k + " (--help lists them)");
-    } else if (!o.host) {
-      o.host = k;
-    } else {
-      fail("unexpected argument '" + k + "'");
-    }
-  }
-  if (o.sweep && o.size) fail("--size and --sweep exclude each other");
-  if (o.test->id == test_id::atomic && o.size && o.size != 8) fail("atomic: the size is 8 bytes (leave --size out)");
+  CLI::App app{"perftest-style RDMA micro-benchmarks over the transport API (tcp or verbs provider).",
+               "shuttle-perf"};
+  cli::setup(app, kSynopsis);
+  std::string host;
+  auto* host_opt = app.add_option("HOST", host, "client: the server's address (none: run the server)")->type_name("");
+  app.add_option_function<std::string>(
+         "--transport", [&](const std::string& v) { o.kind = *parse_transport_kind(v); },
+         "tcp, verbs or auto (default auto: verbs if an RDMA device is active)")
+      ->type_name("T")
+      ->check(CLI::Validator([](std::string& v) -> std::string { return parse_transport_kind(v) ? "" : "bad value '" + v + "' (tcp, verbs, auto)"; }, "", "transport"));
+  app.add_option("-p,--port", o.port, "port (default 18515; server: 0 picks a free one)")
+      ->type_name("P")
+      ->transform(cli::count(0, 65535));
+  app.add_option("--bind", o.bind, "server: numeric address to listen on (default 0.0.0.0)")->type_name("ADDR");
+  app.add_flag("--loop", o.loop, "server: serve clients one after another until SIGINT/SIGTERM");
+  app.add_option("-d,--device", o.device, "verbs: the RDMA device (e.g. rxe0)")->type_name("NAME");
+  app.add_option("-x,--gid-index", o.gid_index, "verbs: the GID index")->type_name("N")->transform(cli::count(0, 65535));
+  std::string test = o.test->name;
+  std::string names;
+  for (auto& t : tests) names += (names.empty() ? "" : ", ") + std::string(t.name);
+  app.add_option("-t,--test", test, "client: the test (" + names + "; default write_bw)")
+      ->type_name("TEST")
+      ->check(CLI::Validator(
+          [names](std::string& v) -> std::string {
+            return find_test(v) ? "" : "unknown test '" + v + "' (" + names + ")";
+          },
+          "", "test"));
+  app.add_option("-s,--size", o.size, "bytes per operation (default: bw 64K, lat 2, atomic 8)")
+                   ->type_name("S")
+                   ->transform(cli::bytes(1, 1ull << 32));
+  app.add_flag("-a,--sweep", o.sweep, "every power of two from 2 B to 8 MiB (perftest's -a)");
+  app.add_option("-n,--iters", o.iters, "operations per point (default: bw 5000, lat 1000)")
+      ->type_name("N")
+      ->transform(cli::count(1, 1ull << 40));
+  std::uint64_t warmup = 0;
+  auto* warmup_opt = app.add_option("--warmup", warmup, "operations before the timed ones")
+                         ->type_name("N")
+                         ->transform(cli::count(0, 1ull << 40));
+  app.add_option("-D,--depth", o.depth, "bw: operations in flight (default 128; lat: 1)")
+      ->type_name("D")
+      ->transform(cli::count(1, 65536));
+  app.add_option("-l,--batch", o.batch,
+                 "bw: operations per post_batch, one signaled completion each; default depth/4 in 1..64, i.e. 32 "
+                 "at depth 128; 1: every operation signaled, no post list")
+      ->type_name("B")
+      ->transform(cli::count(1, 65536));
+  app.add_option("--slots", o.slots,
+                 "bw: the buffer slots of one message size that the operations cycle through, on each side; "
+                 "default the depth, one per operation in flight; 1: every operation on the same buffer, as "
+                 "perftest's ib_*_bw above 2 KiB")
+      ->type_name("N")
+      ->transform(cli::count(1, 65536));
+  app.add_option("--rx-depth", o.rx_depth, "posted receives (default 512)")
+      ->type_name("N")
+      ->transform(cli::count(1, 65536));
+  app.add_option("--rx-size", o.rx_size,
+                 "bytes per receive buffer: the largest send the peer accepts (default 64K; control messages "
+                 "travel by send)")
+      ->type_name("S")
+      ->transform(cli::bytes(sizeof(ctrl), 1u << 30));
+  app.add_option("--inline", o.max_inline, "verbs: sends up to N bytes go inline (default 64; 0: none, as perftest on rxe)")
+      ->type_name("N")
+      ->transform(cli::bytes(0, 4096));
+  app.add_flag("--unregistered", o.unregistered,
+               "client: its local buffer is not registered; operations on memory the library does not own "
+               "(docs/memory-registration.md)");
+  std::string ops = "prepared";
+  app.add_option("--ops", ops,
+                 "latency tests: each iteration starts one operation prepared before the loop "
+                 "(connection::prepare), as perftest posts one pre-built WR (prepared, the default); or calls "
+                 "read()/write()/send() (single). The write_with_imm ping-pong always calls write_with_imm()")
+      ->type_name("prepared|single")
+      ->check(cli::one_of({"prepared", "single"}));
+  app.add_option("--spin-us", o.spin_us,
+                 "busy-poll the completion queue this long after the last completion (default 5000)")
+      ->type_name("N")
+      ->transform(cli::count(0, 60'000'000));
+  app.add_option("--write-lat-method", o.lat_method,
+                 "write_lat: poll memory, or a write_with_imm ping-pong; auto: poll on verbs, imm on tcp (default)")
+      ->type_name("poll|imm|auto")
+      ->check(cli::one_of({"poll", "imm", "auto"}));
+  app.add_flag("--json", o.json, "client: also print each row as one JSON object on its own line");
+  cli::parse(app, argc, argv);
+  if (host_opt->count()) o.host = host;
+  if (warmup_opt->count()) o.warmup = warmup;
+  o.test = find_test(test);
+  o.prepared = ops == "prepared";
+  if (o.sweep && o.size) cli::fail(app, "--size and --sweep exclude each other");
+  if (o.test->id == test_id::atomic && o.size && o.size != 8)
+    cli::fail(app, "atomic: the size is 8 bytes (leave --size out)");
   return o;
 }
 
@@ -521,7 +496,7 @@ task<int> server_main(const options& o, server_stats& stats) {
     session_log("peer " + peer.to_string() + ": " + std::string(why));
   };
   auto l = check(d.listen(ep, conn_opts(o, 128), limits), "listen");
-  std::printf("shuttle-perf: %s, listening on %s\n", d.describe().c_str(), l.local_endpoint().to_string().c_str());
+  std::printf("shuttle-perf: %s, listening on %s\n", d.describe().c_str(), l.local_endpoint()->to_string().c_str());
   std::fflush(stdout);
   const std::stop_token stop = co_await get_stop_token();
   do {
@@ -910,9 +885,7 @@ int main(int argc, char** argv) {
       signals.emplace(std::initializer_list<int>{SIGINT, SIGTERM});
     }
     io_context ctx(io);
-    int rc = o.host ? ctx.run(client_main(o)) : ctx.run(server_until_signal(o, *signals));
-    (void)ctx.run(sleep_for(std::chrono::milliseconds(5)));  // let the provider wind down
-    return rc;
+    return o.host ? ctx.run(client_main(o)) : ctx.run(server_until_signal(o, *signals));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shuttle-perf: %s\n", e.what());
     return 1;

@@ -776,7 +776,7 @@ task<report> pipeline::run() {
   copts_.receive_buffers = std::max<std::uint32_t>(64, cfg_.slots * 2 + 4);
   auto l = sink_dom.listen(shuttle::endpoint::loopback(0), copts_).value();
   src_dom_ = &src_dom;
-  sink_port_ = l.local_endpoint().port();
+  sink_port_ = l.local_endpoint()->port();
   shuttle::async_scope sink_scope, aux, stages;
   sink_scope.spawn(sink_main(sink_dom, l, slot_size_));
 
@@ -833,55 +833,80 @@ task<void> pipeline::reporter() {
 }  // namespace stream_pipeline
 
 #ifndef STREAM_PIPELINE_NO_MAIN
+#include "cli.hpp"
+
 namespace {
-void usage() {
-  std::fprintf(stderr,
-               "usage: stream_pipeline [--clients N] [--records-per-client M] [--record-size B] [--batch R]\n"
-               "         [--queue Q] [--slots S] [--sink-delay-us U] [--sink-die-after R] [--duration S]\n"
-               "         [--sink-lives N] [--reconnect-give-up S] [--report-ms MS] [--quiet] [--compute auto|cpu|gpu]\n");
+const char* const kSynopsis =
+    "usage: stream_pipeline [--clients N] [--records-per-client M] [--record-size B] [--batch R]\n"
+    "         [--queue Q] [--slots S] [--sink-delay-us U] [--sink-die-after R] [--duration S]\n"
+    "         [--sink-lives N] [--reconnect-give-up S] [--report-ms MS] [--quiet] [--compute auto|cpu|gpu]\n";
+
+stream_pipeline::config parse_options(int argc, char** argv) {
+  using stream_pipeline::config;
+  config cfg;
+  CLI::App app{"Asio TCP ingest -> batch compute -> shipping to a sink over shuttle's transport API.",
+               "stream_pipeline"};
+  cli::setup(app, kSynopsis);
+  auto d = [](auto v) { return " (default " + std::to_string(v) + ")"; };
+  app.add_option("--clients", cfg.clients, "TCP clients feeding the ingest stage" + d(cfg.clients))
+      ->type_name("N")
+      ->transform(cli::count(1, 65536));
+  app.add_option("--records-per-client", cfg.records_per_client,
+                 "records each client sends; 0: until SIGINT or --duration (default 0)")
+      ->type_name("M")
+      ->transform(cli::count(0, 1ull << 40));
+  app.add_option("--record-size", cfg.record_size, "payload bytes per record" + d(cfg.record_size))
+      ->type_name("B")
+      ->transform(cli::bytes(1, 1u << 20));
+  app.add_option("--batch", cfg.batch, "records per batch" + d(cfg.batch))
+      ->type_name("R")
+      ->transform(cli::count(1, 65536));
+  app.add_option("--queue", cfg.queue, "records in the ingest channel; batches: queue / batch" + d(cfg.queue))
+      ->type_name("Q")
+      ->transform(cli::count(1, 1u << 24));
+  app.add_option("--slots", cfg.slots, "the sink's slots, one batch each" + d(cfg.slots))
+      ->type_name("S")
+      ->transform(cli::count(1, 4096));
+  app.add_option("--sink-delay-us", cfg.sink_delay_us, "the sink sleeps this long per batch (default 0)")
+      ->type_name("U")
+      ->transform(cli::count(0, 60'000'000));
+  app.add_option("--sink-die-after", cfg.sink_die_after,
+                 "the sink drops its connection after applying R records on it (without acking the last batch) "
+                 "and accepts a new one; 0: never (default)")
+      ->type_name("R")
+      ->transform(cli::count(0, 1ull << 40));
+  app.add_option("--sink-lives", cfg.sink_lives,
+                 "the sink accepts N connections, then stops listening; 0: no limit (default)")
+      ->type_name("N")
+      ->transform(cli::count(0, 1'000'000));
+  app.add_option("--reconnect-give-up", cfg.reconnect_give_up_s,
+                 "no connection to the sink for this long: its records are lost (default 10)")
+      ->type_name("S")
+      ->check(cli::seconds());
+  app.add_option("--duration", cfg.duration_s, "seconds, then drain; 0: until SIGINT (default 0)")
+      ->type_name("S")
+      ->check(cli::seconds(/*zero_ok=*/true));
+  app.add_option("--report-ms", cfg.report_ms, "progress report period" + d(cfg.report_ms))
+      ->type_name("MS")
+      ->transform(cli::count(1, 3'600'000));
+  app.add_flag("--quiet", cfg.quiet, "no progress reports");
+  std::string compute = "auto";
+  app.add_option("--compute", compute,
+                 "where the compute stage runs: auto (a CUDA kernel when built with CUDA and a GPU is present, "
+                 "else the CPU), cpu or gpu (default auto)")
+      ->type_name("auto|cpu|gpu")
+      ->check(cli::one_of({"auto", "cpu", "gpu"}));
+  cli::parse(app, argc, argv);
+  cfg.compute = compute == "cpu"   ? config::compute_on::cpu
+                : compute == "gpu" ? config::compute_on::gpu
+                                   : config::compute_on::automatic;
+  return cfg;
 }
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace stream_pipeline;
-  config cfg;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view a = argv[i];
-    auto next = [&]() -> double {
-      if (i + 1 >= argc) {
-        usage();
-        std::exit(2);
-      }
-      return std::stod(argv[++i]);
-    };
-    if (a == "--clients") cfg.clients = unsigned(next());
-    else if (a == "--records-per-client") cfg.records_per_client = std::uint64_t(next());
-    else if (a == "--record-size") cfg.record_size = std::uint32_t(next());
-    else if (a == "--batch") cfg.batch = std::size_t(next());
-    else if (a == "--queue") cfg.queue = std::size_t(next());
-    else if (a == "--slots") cfg.slots = std::uint32_t(next());
-    else if (a == "--sink-delay-us") cfg.sink_delay_us = std::uint32_t(next());
-    else if (a == "--sink-die-after") cfg.sink_die_after = std::uint64_t(next());
-    else if (a == "--sink-lives") cfg.sink_lives = unsigned(next());
-    else if (a == "--reconnect-give-up") cfg.reconnect_give_up_s = next();
-    else if (a == "--duration") cfg.duration_s = next();
-    else if (a == "--report-ms") cfg.report_ms = unsigned(next());
-    else if (a == "--quiet") cfg.quiet = true;
-    else if (a == "--compute" && i + 1 < argc) {
-      std::string_view v = argv[++i];
-      if (v == "auto") cfg.compute = config::compute_on::automatic;
-      else if (v == "cpu") cfg.compute = config::compute_on::cpu;
-      else if (v == "gpu") cfg.compute = config::compute_on::gpu;
-      else {
-        usage();
-        return 2;
-      }
-    }
-    else {
-      usage();
-      return 2;
-    }
-  }
+  const config cfg = parse_options(argc, argv);
   shuttle::block_signals({SIGINT, SIGTERM});
   shuttle::io_context loop;
   net::io_context actx(1);

@@ -72,45 +72,47 @@ struct options {
   std::optional<std::uint64_t> corrupt;  // testing: damage this chunk after its checksum
 };
 
-const char* const kUsage =
+const char* const kSynopsis =
     "usage: shuttle-transfer [--chunks N] [--chunk-size BYTES] [--slots S]\n"
-    "                        [--transport auto|rdma|tcp-provider] [--addr ADDR] [--port P]\n"
-    "  --chunks N          chunks to transfer (default 256)\n"
-    "  --chunk-size BYTES  bytes per chunk, a multiple of 8, suffixes k/m/g (default 1m)\n"
-    "  --slots S           slots in the receiver's ring (default 8)\n"
-    "  --transport T       auto (verbs if an RDMA device is active, else the tcp provider),\n"
-    "                      rdma (verbs), tcp-provider ('tcp' is taken for it too) (default auto)\n"
-    "  --addr ADDR         numeric address the receiver listens on and the sender connects to\n"
-    "                      (default 127.0.0.1; rdma needs the address of an RDMA interface)\n"
-    "  --port P            port (default 0: a free one)\n"
-    "  --corrupt I         testing: flip a byte of chunk I after its checksum is taken\n"
-    "                      (the receiver must report it, and the exit status be 1)\n";
+    "                        [--transport auto|rdma|tcp-provider] [--addr ADDR] [--port P] [--corrupt I]\n";
 
 options parse_options(int argc, char** argv) {
   options o;
-  cli::parser p{kProg, kUsage};
-  p.parse(argc, argv,
-          {
-              {"--chunks", [&](std::string_view v) { o.chunks = p.count("--chunks", v, 1, UINT32_MAX); }},
-              {"--chunk-size", [&](std::string_view v) { o.chunk_size = p.bytes("--chunk-size", v, 64, 1ull << 30); }},
-              {"--slots", [&](std::string_view v) { o.slots = p.count("--slots", v, 1, 4096); }},
-              {"--transport",
-               [&](std::string_view v) {
-                 // In this program plain "tcp" can only mean the tcp provider.
-                 o.transport = v == "tcp" ? cli::transport::tcp_provider
-                                          : p.transport_name("--transport", v,
-                                                             {cli::transport::automatic, cli::transport::rdma,
-                                                              cli::transport::tcp_provider});
-               }},
-              {"--addr", [&](std::string_view v) { o.addr = std::string(v); }},
-              {"--port", [&](std::string_view v) { o.port = static_cast<unsigned>(p.count("--port", v, 0, 65535)); }},
-              {"--corrupt", [&](std::string_view v) { o.corrupt = p.count("--corrupt", v, 0, UINT32_MAX); }},
-          });
+  CLI::App app{"A transfer pipeline over the transport API: checksummed chunks into a receiver's ring, in one "
+               "process, every chunk verified.",
+               kProg};
+  cli::setup(app, kSynopsis);
+  app.add_option("--chunks", o.chunks, "chunks to transfer (default 256)")
+      ->type_name("N")
+      ->transform(cli::count(1, UINT32_MAX));
+  app.add_option("--chunk-size", o.chunk_size, "bytes per chunk, a multiple of 8, suffixes k/m/g (default 1m)")
+      ->type_name("BYTES")
+      ->transform(cli::bytes(64, 1ull << 30));
+  app.add_option("--slots", o.slots, "slots in the receiver's ring (default 8)")
+      ->type_name("S")
+      ->transform(cli::count(1, 4096));
+  cli::add_transport(app, o.transport, {cli::transport::automatic, cli::transport::rdma, cli::transport::tcp_provider},
+                     "auto (verbs if an RDMA device is active, else the tcp provider), rdma (verbs), tcp-provider "
+                     "('tcp' is taken for it too) (default auto)",
+                     /*tcp_means_provider=*/true);
+  app.add_option("--addr", o.addr,
+                 "numeric address the receiver listens on and the sender connects to (default 127.0.0.1; rdma "
+                 "needs the address of an RDMA interface)")
+      ->type_name("ADDR");
+  app.add_option("--port", o.port, "port (default 0: a free one)")->type_name("P")->transform(cli::count(0, 65535));
+  std::uint64_t corrupt = 0;
+  auto* corrupt_opt = app.add_option("--corrupt", corrupt,
+                                     "testing: flip a byte of chunk I after its checksum is taken (the receiver "
+                                     "must report it, and the exit status be 1)")
+                          ->type_name("I")
+                          ->transform(cli::count(0, UINT32_MAX));
+  cli::parse(app, argc, argv);
+  if (corrupt_opt->count()) o.corrupt = corrupt;
   if (o.chunk_size % 8 != 0)
-    p.fail("bad --chunk-size '" + std::to_string(o.chunk_size) + "' (a multiple of 8 bytes)");
+    cli::fail(app, "--chunk-size: bad value '" + std::to_string(o.chunk_size) + "' (a multiple of 8 bytes)");
   if (o.slots * o.chunk_size > (std::uint64_t(4) << 30))
-    p.fail("the ring (--slots x --chunk-size = " + std::to_string(o.slots * o.chunk_size) +
-           " bytes) is larger than 4 GiB");
+    cli::fail(app, "the ring (--slots x --chunk-size = " + std::to_string(o.slots * o.chunk_size) +
+                       " bytes) is larger than 4 GiB");
   return o;
 }
 
@@ -260,14 +262,6 @@ shuttle::connection_options conn_options(const options& o) {
   return c;
 }
 
-// Lets the provider wind down before a domain goes: a short pause, in a
-// scope of its own so that it runs even when the caller was stopped.
-task<void> wind_down() {
-  shuttle::async_scope pause;
-  pause.spawn([]() -> task<void> { (void)co_await shuttle::sleep_for(std::chrono::milliseconds(5)); }());
-  co_await pause.join();
-}
-
 struct aligned_buffer {
   struct del {
     void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t(4096)); }
@@ -304,7 +298,7 @@ task<shuttle::result<unsigned>> listen(shared& s, shuttle::endpoint ep) {
     co_return l.error();
   }
   s.listener.emplace(std::move(*l));
-  co_return static_cast<unsigned>(s.listener->local_endpoint().port());
+  co_return static_cast<unsigned>(s.listener->local_endpoint()->port());
 }
 
 task<void> receive(shared& s) {
@@ -384,8 +378,9 @@ task<void> receive(shared& s) {
     }();
     (void)co_await conn.close();
   }
+  // No wait: what the provider still winds down ends on the loop
+  // (transport.hpp, "Lifetimes").
   s.listener.reset();
-  co_await wind_down();
   s.rx_domain.reset();
 }
 
@@ -496,7 +491,6 @@ task<void> send(shared& s, shuttle::endpoint ep, shuttle::transport_kind kind) {
       (void)co_await c->close();
     }
   }
-  co_await wind_down();
 }
 
 // Runs `t`, reports its end (or its exception) through `done`, then runs

@@ -72,6 +72,15 @@ io_context::io_context(options opts) : thread_(std::this_thread::get_id()), opts
 }
 
 io_context::~io_context() {
+  // Work that holds the context (a provider's wind-down) ends first, on
+  // the loop: it is stopped already and needs a few turns at most.
+  if (holds_ > 0 && running_in_this_thread()) {
+    released_ = false;
+    try {
+      run_until(released_, false);
+    } catch (...) {  // a destructor: what could not run is dropped below, as before
+    }
+  }
   // Work queued for a turn that will not come: self-owned ops (dispatch)
   // free what they captured, while this context is still current (their
   // destructors may cancel ring operations; those end as orphans below).

@@ -198,7 +198,10 @@ task<result<tcp_socket>> tcp_socket::connect(endpoint ep) {
 }
 
 task<result<tcp_socket>> tcp_socket::connect(endpoint ep, std::chrono::nanoseconds timeout) {
-  co_return co_await with_timeout(connect(ep), timeout);
+  auto s = co_await with_timeout(connect(ep), timeout);
+  // The TCP connect itself timed out: the kernel's own word for it.
+  if (!s && s.error() == errc::operation_timeout) co_return std::make_error_code(std::errc::timed_out);
+  co_return s;
 }
 
 task<result<void>> tcp_socket::read_exact(std::span<std::byte> buf) {
@@ -355,6 +358,8 @@ tcp_listener& tcp_listener::operator=(tcp_listener&& o) noexcept {
 tcp_listener::~tcp_listener() { close(); }
 
 result<tcp_listener> tcp_listener::bind(const endpoint& ep, options opts) {
+  io_context* ctx = io_context::current_or_null();
+  if (!ctx) return make_error_code(errc::no_io_context);
   int fd = ::socket(ep.family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
   if (fd < 0) return errno_code(errno);
   int one = 1;
@@ -368,7 +373,7 @@ result<tcp_listener> tcp_listener::bind(const endpoint& ep, options opts) {
   if (::listen(fd, opts.backlog) < 0) return fail(errno);
   auto* s = new state;
   s->fd = fd;
-  s->ctx = &io_context::current();
+  s->ctx = ctx;
   return tcp_listener(s);
 }
 

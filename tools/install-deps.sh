@@ -4,7 +4,10 @@
 set -euo pipefail
 packages=(
   g++ clang libclang-rt-14-dev meson ninja-build pkg-config python3 netcat-openbsd
-  liburing-dev libibverbs-dev librdmacm-dev libboost-dev doctest-dev
+  liburing-dev libibverbs-dev librdmacm-dev libboost-dev doctest-dev libcli11-dev
+  python3-matplotlib  # bench/plot.py
+  # Asio's own examples, built on shuttle's loop by tests/asio/doc_examples.sh
+  libboost1.81-doc
   # Soft-RoCE guest for the verbs tests (tests/softrdma/guest-run.sh)
   qemu-system-x86 busybox-static kmod cpio xz-utils iproute2
   rdma-core ibverbs-providers ibverbs-utils rdmacm-utils perftest

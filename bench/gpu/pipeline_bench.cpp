@@ -48,7 +48,7 @@ task<void> open_all(setup& p, cuda::staged_options o) {
   p.sd.emplace(domain::open(d).value());
   p.cd.emplace(domain::open(d).value());
   p.l = p.sd->listen(endpoint::parse("127.0.0.1:0").value()).value();
-  auto ep = endpoint::parse("127.0.0.1:" + std::to_string(p.l.local_endpoint().port())).value();
+  auto ep = endpoint::parse("127.0.0.1:" + std::to_string(p.l.local_endpoint()->port())).value();
   auto [s, c] = co_await when_all(p.l.accept(), p.cd->connect(ep));
   p.server = std::move(s).value();
   p.client = std::move(c).value();

@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
     io_context ctx;
     auto d = domain::open().value();
     auto l = d.listen(endpoint::loopback(0)).value();
-    port = l.local_endpoint().port();
+    port = l.local_endpoint()->port();
     ready = true;
     std::vector<std::byte> mem(region_size);
     ctx.run(serve(l, d, mem));

@@ -107,6 +107,18 @@ class io_context {
   // Loop thread only: empties the slot (the file's last reference may go).
   void unregister_file(detail::registered_file& f) noexcept;
 
+  // Loop thread only. Work that must end before this context goes, such
+  // as a provider's wind-down (a dropped connection's loops, a listener's
+  // handshakes, a queue pair's flushed work requests): each piece holds
+  // the context while it runs. ~io_context runs the loop until none is
+  // held, so that nothing of it outlives the context; a holder must be
+  // stopped already and end by itself, promptly.
+  void hold() noexcept { ++holds_; }
+  void release() noexcept {
+    if (--holds_ == 0) released_ = true;
+  }
+  std::size_t holds() const noexcept { return holds_; }
+
   // Keeps `op` until forget_orphan (its last CQE) or the context's end.
   void adopt_orphan(detail::orphan_op* op) noexcept;
   void forget_orphan(detail::orphan_op* op) noexcept;
@@ -161,6 +173,8 @@ class io_context {
   std::shared_ptr<detail::file_table> files_;  // made by the first register_file
   std::vector<int> free_slots_;
   detail::orphan_op* orphans_ = nullptr;
+  std::size_t holds_ = 0;
+  bool released_ = false;  // holds_ went back to 0 (what ~io_context runs the loop until)
   std::uint64_t sqes_ = 0;
   std::uint64_t sleeps_ = 0;
   // The kernel flags pending completion work in the ring (IORING_SQ_TASKRUN):

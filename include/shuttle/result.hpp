@@ -81,8 +81,14 @@ class [[nodiscard]] result<void> {
   detail::stored_error error_{};
 };
 
-// errno value -> error_code in the system category.
-inline std::error_code errno_code(int e) noexcept { return {e, std::system_category()}; }
+// errno value -> error_code in the system category; but cancellation is
+// always std::errc::operation_canceled in the generic category, as the
+// library's own waits report it, whether the kernel (ECANCELED from the
+// ring) or the library noticed the stop request.
+inline std::error_code errno_code(int e) noexcept {
+  if (e == ECANCELED) return std::make_error_code(std::errc::operation_canceled);
+  return {e, std::system_category()};
+}
 
 // Throws std::system_error carrying errno and a description of what was tried.
 [[noreturn]] void throw_errno(int e, const std::string& what);

@@ -48,7 +48,7 @@ class tcp_socket {
 
   // co_await tcp_socket::connect(ep): cancellable through the task's stop token.
   static task<result<tcp_socket>> connect(endpoint ep);
-  // Fails with std::errc::timed_out after `timeout`.
+  // Fails with std::errc::timed_out ("Connection timed out") after `timeout`.
   static task<result<tcp_socket>> connect(endpoint ep, std::chrono::nanoseconds timeout);
 
   // Registers the socket in the calling thread's io_context (its ring's
@@ -158,6 +158,7 @@ class tcp_listener {
   ~tcp_listener();
 
   // Binds and listens (synchronously: set-up may block and may throw nothing; errors come back).
+  // The listener belongs to the calling thread's io_context: errc::no_io_context without one.
   static result<tcp_listener> bind(const endpoint& ep, options opts);
   static result<tcp_listener> bind(const endpoint& ep) { return bind(ep, options{}); }
 

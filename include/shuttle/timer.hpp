@@ -6,6 +6,7 @@
 #include <system_error>
 
 #include <shuttle/detail/uring_op.hpp>
+#include <shuttle/error.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/when_any.hpp>
 
@@ -51,12 +52,13 @@ detail::sleep_awaitable sleep_for(std::chrono::duration<Rep, Period> d) {
 }
 
 // Runs `t`; if it has not finished after `d`, it is cancelled (through its stop
-// token) and awaited, and the result is std::errc::timed_out.
+// token) and awaited, and the result is errc::operation_timeout (equivalent
+// to std::errc::timed_out: `ec == std::errc::timed_out` holds).
 template <class T, class Rep, class Period>
 task<result<T>> with_timeout(task<T> t, std::chrono::duration<Rep, Period> d) {
   auto timer = [](std::chrono::duration<Rep, Period> d) -> task<void> { (void)co_await sleep_for(d); };
   auto r = co_await when_any(std::move(t), timer(d));
-  if (r.index() == 1) co_return std::make_error_code(std::errc::timed_out);
+  if (r.index() == 1) co_return make_error_code(errc::operation_timeout);
   if constexpr (std::is_void_v<T>)
     co_return result<void>{};
   else
@@ -68,7 +70,7 @@ template <class T, class Rep, class Period>
 task<result<T>> with_timeout(task<result<T>> t, std::chrono::duration<Rep, Period> d) {
   auto timer = [](std::chrono::duration<Rep, Period> d) -> task<void> { (void)co_await sleep_for(d); };
   auto r = co_await when_any(std::move(t), timer(d));
-  if (r.index() == 1) co_return std::make_error_code(std::errc::timed_out);
+  if (r.index() == 1) co_return make_error_code(errc::operation_timeout);
   co_return std::move(std::get<0>(r));
 }
 

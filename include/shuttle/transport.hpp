@@ -26,6 +26,39 @@
 // the error state and waits for the flushed completion: the connection is
 // then unusable (errc::disconnected). An operation still waiting for a
 // send-queue slot or a credit is cancelled alone.
+//
+// Lifetimes. A domain belongs to the io_context of the thread that opened
+// it (domain::open outside one: errc::no_io_context). Its objects
+// (listeners, connections, memory_regions, messages, grants, prepared
+// operations) are used and destroyed on that thread, and before that
+// io_context; among themselves they may be destroyed at any time and in any
+// order, with no wait before or after (no sleep "to let the provider wind
+// down" is needed):
+//  - a connection's destructor aborts it and returns at once. Operations
+//    in flight on it complete with errc::disconnected, resuming on a later
+//    turn of the loop, and only once nothing touches their buffers (as
+//    cancellation; their awaiting coroutines must still run). The peer sees
+//    the connection fail. Unlike close(), nothing in flight is waited for:
+//    an inline send not yet on the wire may be dropped.
+//  - a listener's destructor closes it (close()): accept() calls waiting
+//    fail, handshakes in progress are dropped, connections established and
+//    not yet accepted are closed. Connections it accepted are independent of
+//    it and live on.
+//  - a domain's destructor drops the application's handle only: its
+//    connections, listeners and registrations keep working, and share the
+//    provider's state with it; that state (verbs: the protection domain and
+//    completion queue) goes with the last of them.
+//  - a memory_region, a message, a grant and a prepared_operation keep
+//    what they need alive (a message its receive buffer, a region its
+//    registration) and may outlive their connection and domain.
+// What the providers still do after a destructor returns (tcp: a dropped
+// connection's reader and writer, which close its socket; a listener's
+// handshakes in progress; verbs: a dropped QP's flushed work requests,
+// after which it is destroyed) runs on the loop, in the background, and
+// holds the io_context (io_context::hold): its destructor runs the loop
+// until that work has ended (a turn or a few; a tcp connection that
+// refused its peer's access may take the linger time, 2 s, to send its
+// NAK), so nothing of it outlives the loop.
 #pragma once
 
 #include <chrono>
@@ -385,7 +418,7 @@ class connection {
   explicit connection(std::unique_ptr<detail::connection_impl> impl) noexcept;
   connection(connection&&) noexcept;
   connection& operator=(connection&&) noexcept;
-  ~connection();  // aborts: pending operations fail, resources are freed
+  ~connection();  // aborts: pending operations fail (errc::disconnected); see "Lifetimes" above
 
   // Two-sided. `msg` may be any memory: it is sent from a live
   // memory_region of the user's that covers it, or, when small, inline;
@@ -516,7 +549,10 @@ class listener {
   ~listener();
 
   task<result<connection>> accept();
-  endpoint local_endpoint() const;
+  // Where it listens (port 0 bound: the port chosen), as
+  // tcp_listener::local_endpoint: std::errc::bad_file_descriptor for no
+  // listener (default, moved from) or a closed one.
+  result<endpoint> local_endpoint() const;
   void close() noexcept;
 
  private:
@@ -532,7 +568,9 @@ struct domain_options {
 // A protection domain of one provider, owned by one io_context's thread.
 class domain {
  public:
-  // automatic: verbs when an active RDMA device exists, else tcp.
+  // automatic: verbs when an active RDMA device exists, else tcp. On the
+  // calling thread's io_context: errc::no_io_context on a thread without
+  // one (as listen()).
   static result<domain> open(domain_options opts = {});
 
   transport_kind kind() const noexcept;

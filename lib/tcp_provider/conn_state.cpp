@@ -26,6 +26,7 @@ conn_state::conn_state(tcp_socket s, std::shared_ptr<domain_state> d, const conn
       responder_units(peer_h.max_responder_ops),
       slot_buffers(o.receive_buffers),
       inbox(o.receive_buffers) {
+  tasks.ctx = ctx;
   lim.max_send = o.receive_buffer_size;
   free_slots.reserve(o.receive_buffers);
   for (std::uint32_t i = o.receive_buffers; i > 0; --i) free_slots.push_back(i - 1);
@@ -101,20 +102,27 @@ task<result<void>> conn_state::close(std::shared_ptr<conn_state> s) {
   co_return result<void>{};
 }
 
-driver conn_state::run_detached(task<void> t) {
+namespace {
+driver run_in(task_group& g, task<void> t) {
   try {
     co_await std::move(t);
   } catch (...) {
   }
+  g.ended();  // `t` (and so g's owner) goes with this frame, right after
+}
+}  // namespace
+
+void spawn_in(task_group& g, task<void> t, std::stop_token token) {
+  ++g.running;
+  driver d = run_in(g, std::move(t));
+  d.set_stop_token(std::move(token));
+  d.on_done(nullptr, nullptr, true);
+  d.release().resume();
 }
 
 void conn_state::start() {
-  for (int i = 0; i < 2; ++i) {
-    driver d = run_detached(i == 0 ? reader_loop(shared_from_this()) : writer_loop(shared_from_this()));
-    d.set_stop_token(stop.get_token());
-    d.on_done(nullptr, nullptr, true);
-    d.release().resume();
-  }
+  spawn_in(tasks, reader_loop(shared_from_this()), stop.get_token());
+  spawn_in(tasks, writer_loop(shared_from_this()), stop.get_token());
 }
 
 }  // namespace shuttle::detail::tcp_provider

@@ -98,6 +98,34 @@ struct live_count {
   std::uint32_t n = 0;
 };
 
+// The detached tasks of one owner (a connection's loops and idle watch, a
+// listener's handshakes). Once the owner is stopping, they hold its
+// io_context (io_context::hold) until the last ends, so that the context's
+// destructor lets them finish: nothing of a dropped connection or listener
+// outlives the loop, and nobody has to wait for them. A live owner's tasks
+// do not hold it.
+struct task_group {
+  io_context* ctx = nullptr;
+  std::size_t running = 0;
+  bool holding = false;
+  void stopping() noexcept {
+    if (running > 0 && !holding) {
+      holding = true;
+      ctx->hold();
+    }
+  }
+  void ended() noexcept {
+    if (--running == 0 && holding) {
+      holding = false;
+      ctx->release();
+    }
+  }
+};
+
+// Runs `t` on the calling loop, owned by nobody, as one of `g`'s tasks;
+// `token` stops it. `t` must keep `g`'s owner alive.
+void spawn_in(task_group& g, task<void> t, std::stop_token token);
+
 struct inbound {
   std::uint32_t slot = 0;
   std::uint32_t len = 0;
@@ -168,6 +196,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   int loops = 2;            // running: the reader and the writer
   event finished_ev;        // set on entering phase::finished
   std::stop_source stop;
+  task_group tasks;                    // the reader, the writer, the idle watch
   std::shared_ptr<live_count> origin;  // the listener's count, for a connection it accepted
 
   // The slot's receive buffer, allocated on first use, uninitialized (the
@@ -204,6 +233,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     set_error(ec);
     if (state_ != phase::open) return;
     state_ = phase::stopping;
+    tasks.stopping();
     abort_io();
   }
 
@@ -214,7 +244,10 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   void refuse_peer() {
     set_error(err(errc::peer_access_refused));
     refuse_deadline = clock::now() + linger;
-    if (state_ == phase::open) state_ = phase::refusing;
+    if (state_ == phase::open) {
+      state_ = phase::refusing;
+      tasks.stopping();
+    }
   }
 
   // Shuts the socket down and stops both loops (the parked writer wakes to see it).
@@ -295,8 +328,6 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // Writer (writer.cpp).
   static task<void> writer_loop(std::shared_ptr<conn_state> s);
 
-  // Runs `t` on the calling loop, owned by nobody.
-  static driver run_detached(task<void> t);
   // Starts the reader and the writer.
   void start();
 

@@ -81,7 +81,16 @@ task<result<std::shared_ptr<conn_state>>> handshake(tcp_socket& sock, std::share
   h.receive_buffer_size = opts.receive_buffer_size;
   encode_hello(h, mine);
   if (auto r = co_await sock.write_all(mine); !r) co_return r.error();
-  if (auto r = co_await sock.read_exact(theirs); !r) co_return r.error();
+  // Another protocol's peer is told apart as soon as its first bytes
+  // arrive (an SSH or SMTP banner, an HTTP error page), rather than by a
+  // timeout or a bare end of stream.
+  for (std::size_t got = 0; got < theirs.size();) {
+    auto n = co_await sock.read_some(std::span(theirs).subspan(got));
+    if (!n) co_return n.error();
+    if (*n == 0) co_return err(errc::eof);  // what came was a hello's start (checked below)
+    got += *n;
+    if (!starts_like_hello(std::span(theirs).first(got))) co_return err(errc::not_a_shuttle_peer);
+  }
   auto peer = decode_hello(theirs);
   if (!peer) co_return peer.error();
   auto ep = sock.remote_endpoint();
@@ -90,7 +99,7 @@ task<result<std::shared_ptr<conn_state>>> handshake(tcp_socket& sock, std::share
 
 task<result<connection>> establish(tcp_socket sock, std::shared_ptr<domain_state> dom, connection_options opts) {
   auto s = co_await with_timeout(handshake(sock, std::move(dom), opts), opts.connect_timeout);
-  if (!s) co_return s.error();
+  if (!s) co_return handshake_error(s.error());
   (*s)->start();
   co_return make_connection(std::move(*s));
 }

@@ -80,6 +80,12 @@ connection make_connection(std::shared_ptr<conn_state> s);
 task<result<std::shared_ptr<conn_state>>> handshake(tcp_socket& sock, std::shared_ptr<domain_state> dom,
                                                     connection_options opts);
 
+// A handshake's failure as the application sees it: its deadline passing
+// is a handshake_timeout (the TCP connection was made), not an operation's.
+inline std::error_code handshake_error(std::error_code ec) noexcept {
+  return ec == errc::operation_timeout ? err(errc::handshake_timeout) : ec;
+}
+
 // The hello exchange within opts.connect_timeout, then the loops start.
 task<result<connection>> establish(tcp_socket sock, std::shared_ptr<domain_state> dom, connection_options opts);
 

@@ -19,14 +19,6 @@ namespace shuttle::detail::tcp_provider {
 
 namespace {
 
-// Runs `t` on the calling loop, owned by nobody; `token` cancels it.
-void spawn_detached(task<void> t, std::stop_token token) {
-  driver d = conn_state::run_detached(std::move(t));
-  d.set_stop_token(std::move(token));
-  d.on_done(nullptr, nullptr, true);
-  d.release().resume();
-}
-
 // Fails the connection once no byte has arrived from the peer for `limit`
 // (listener_options::idle_timeout). The kernel keeps the time of the last
 // data received (TCP_INFO's tcpi_last_data_recv), so nothing is done per
@@ -72,6 +64,7 @@ struct listener_core {
   event slot_freed;              // set when a handshake ends, and on close
   bool closed = false;
   std::stop_source stop;
+  task_group tasks{&io_context::current()};  // the handshakes
 
   // A new TCP connection refused (refusal()) is closed at once (the peer
   // reads EOF) and costs nothing more.
@@ -79,6 +72,7 @@ struct listener_core {
   void close() noexcept {
     if (closed) return;
     closed = true;
+    tasks.stopping();
     stop.request_stop();  // every handshake in progress ends, closing its socket
     sock.close();
     ready.close();
@@ -150,7 +144,7 @@ struct listener_core {
       co_return;
     }
     ++c->handshakes;
-    spawn_detached(handshake_one(c, std::move(*s)), c->stop.get_token());
+    spawn_in(c->tasks, handshake_one(c, std::move(*s)), c->stop.get_token());
   }
 
   static task<void> await_established(std::shared_ptr<listener_core> c) { (void)co_await c->established.wait(); }
@@ -158,6 +152,7 @@ struct listener_core {
   // One peer's hello, with its own deadline, concurrently with the others.
   static task<void> handshake_one(std::shared_ptr<listener_core> c, tcp_socket sock) {
     auto s = co_await with_timeout(handshake(sock, c->dom, c->opts), c->limits.handshake_timeout);
+    if (!s) s = handshake_error(s.error());
     --c->handshakes;
     c->slot_freed.set();
     if (!s) {  // a failed, late or cancelled hello: `sock` closes here
@@ -169,7 +164,7 @@ struct listener_core {
     ++c->live->n;
     (*s)->start();
     if (c->limits.idle_timeout.count() > 0)
-      spawn_detached(idle_watch(*s, c->limits.idle_timeout), (*s)->stop.get_token());
+      spawn_in((*s)->tasks, idle_watch(*s, c->limits.idle_timeout), (*s)->stop.get_token());
     connection conn = make_connection(std::move(*s));
     // Closed meanwhile: `conn` closes here (may_start_handshake() kept room
     // in the backlog for it).

@@ -3,6 +3,8 @@
 #include "../transport/little_endian.hpp"
 #include <shuttle/transport.hpp>
 
+#include <algorithm>
+
 namespace shuttle::tcp_wire {
 
 namespace {
@@ -10,6 +12,12 @@ constexpr auto put = detail::put_le;
 constexpr auto get = detail::get_le;
 std::error_code proto() noexcept { return make_error_code(errc::protocol_error); }
 }  // namespace
+
+bool starts_like_hello(std::span<const std::byte> in) noexcept {
+  std::byte magic[4];
+  put(magic, hello_magic, 4);
+  return std::equal(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(in.size(), 4)), magic);
+}
 
 void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept {
   std::byte* p = out.data();
@@ -23,10 +31,10 @@ void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept
 
 result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept {
   const std::byte* p = in.data();
-  if (get(p, 4) != hello_magic) return proto();
+  if (get(p, 4) != hello_magic) return make_error_code(errc::not_a_shuttle_peer);
   hello h;
   h.version = static_cast<std::uint16_t>(get(p + 4, 2));
-  if (h.version != protocol_version) return proto();
+  if (h.version != protocol_version) return make_error_code(errc::wire_version_mismatch);
   if (get(p + 6, 2) != 0) return proto();
   h.receive_buffers = static_cast<std::uint32_t>(get(p + 8, 4));
   h.max_responder_ops = static_cast<std::uint32_t>(get(p + 12, 4));

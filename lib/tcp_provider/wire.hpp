@@ -41,8 +41,11 @@ struct hello {
   std::uint32_t max_responder_ops = default_responder_ops;
 };
 void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept;
-// protocol_error on a bad magic, an unknown version or silly sizes.
+// not_a_shuttle_peer on a bad magic, wire_version_mismatch on another
+// version, protocol_error on silly sizes.
 result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept;
+// Whether `in` (a hello cut short: the peer closed) begins as one does.
+bool starts_like_hello(std::span<const std::byte> in) noexcept;
 
 enum class opcode : std::uint8_t {
   send = 1,        // payload -> a posted receive; consumes a credit

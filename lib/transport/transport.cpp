@@ -3,6 +3,8 @@
 #include "little_endian.hpp"
 #include "provider.hpp"
 
+#include <shuttle/io_context.hpp>
+
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -147,7 +149,12 @@ task<result<connection>> listener::accept() {
   if (!impl_) return not_connected<connection>();
   return impl_->accept();
 }
-endpoint listener::local_endpoint() const { return impl_ ? impl_->local_endpoint() : endpoint{}; }
+result<endpoint> listener::local_endpoint() const {
+  // As tcp_listener's: an error for no listener or a closed one.
+  endpoint e = impl_ ? impl_->local_endpoint() : endpoint{};
+  if (e.size() == 0) return std::make_error_code(std::errc::bad_file_descriptor);
+  return e;
+}
 void listener::close() noexcept {
   if (impl_) impl_->close();
 }
@@ -155,6 +162,9 @@ void listener::close() noexcept {
 // ---------------------------------------------------------------- domain
 
 result<domain> domain::open(domain_options opts) {
+  // A domain belongs to the calling thread's loop (its connections' I/O
+  // and completions run there).
+  if (!io_context::current_or_null()) return make_error_code(errc::no_io_context);
   if (opts.kind == transport_kind::automatic) {
     if (const char* env = std::getenv("SHUTTLE_TRANSPORT")) {
       auto k = parse_transport_kind(env);
@@ -184,6 +194,7 @@ task<result<connection>> domain::connect(endpoint remote, connection_options opt
   return impl_->connect(remote, opts);
 }
 result<listener> domain::listen(endpoint local, connection_options opts, listener_options limits) {
+  if (!io_context::current_or_null()) return make_error_code(errc::no_io_context);
   return impl_->listen(local, opts, limits);
 }
 

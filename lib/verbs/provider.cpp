@@ -1098,8 +1098,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     dying = true;
     if (outstanding == 0)
       reap();
-    else
+    else {
       dom->graveyard.push_back(shared_from_this());
+      dom->loop->hold();  // until reaped: the loop's end lets the flush finish (io_context::hold)
+    }
   }
 
   void reap() noexcept {
@@ -1854,6 +1856,7 @@ void core::reap_graveyard() {
       (*it)->reap();
       done.push_back(std::move(*it));
       it = graveyard.erase(it);
+      loop->release();
     } else {
       ++it;
     }
@@ -2351,6 +2354,17 @@ class verbs_connection final : public connection_impl {
 
 // ------------------------------------------------------------------ connect / accept
 
+// Why the REP's private data is no hello this side takes: none or another
+// protocol's (a plain rdma_cm peer), another wire version's ("SHV" and
+// another digit), or a shuttle hello this side cannot honour.
+std::error_code hello_error(const cm_evt& e) {
+  std::uint32_t magic = 0;
+  if (e.priv_len >= sizeof magic) std::memcpy(&magic, e.priv.data(), sizeof magic);
+  magic = ntohl(magic);
+  if (magic == wire_magic) return make_error_code(errc::protocol_error);
+  return make_error_code((magic >> 8) == (wire_magic >> 8) ? errc::wire_version_mismatch : errc::not_a_shuttle_peer);
+}
+
 task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint ep) {
   int ms = static_cast<int>(std::max<std::int64_t>(100, st->opts.connect_timeout.count()));
   if (rdma_resolve_addr(st->id, nullptr, const_cast<sockaddr*>(ep.data()), ms) != 0) co_return last_errno();
@@ -2373,7 +2387,7 @@ task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint ep) {
   // The REP: the peer's hello checked, the QP readied with this side's RNR
   // retry count (not the REP's), then the RTU. A failure here destroys the
   // id, which rejects the REP.
-  if (!st->take_hello(*e)) co_return make_error_code(errc::protocol_error);
+  if (!st->take_hello(*e)) co_return hello_error(*e);
   if (auto r = st->ready_qp(nullptr); !r) co_return r.error();
   if (rdma_establish(st->id) != 0) co_return last_errno();
   st->on_established();
@@ -2389,7 +2403,10 @@ class verbs_listener final : public listener_impl {
  public:
   verbs_listener(std::shared_ptr<core> d, connection_options o, listener_options lim)
       : dom_(std::move(d)), opts_(o), limits_(lim) {}
-  ~verbs_listener() override { close(); }
+  ~verbs_listener() override {
+    *alive_ = false;
+    close();
+  }
 
   result<void> start(endpoint ep) {
     ech_ = rdma_create_event_channel();
@@ -2407,10 +2424,12 @@ class verbs_listener final : public listener_impl {
   }
 
   task<result<connection>> accept() override {
+    auto alive = alive_;  // the listener may be destroyed while this waits
     while (ready_.empty()) {
       if (closed_) co_return disconnected();
       ev_.reset();
       if (auto r = co_await ev_.wait(); !r) co_return r.error();
+      if (!*alive) co_return disconnected();
     }
     auto st = std::move(ready_.front());
     ready_.pop_front();
@@ -2662,6 +2681,7 @@ class verbs_listener final : public listener_impl {
   std::vector<std::pair<endpoint, std::string>> refusals_;  // for on_refused, at the end of a handler
   event ev_;
   bool closed_ = false;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // false once destroyed: for accept()s waiting
 };
 
 // ------------------------------------------------------------------ domain
@@ -2696,7 +2716,11 @@ class verbs_domain final : public domain_impl {
     if (rdma_create_id(st->ech, &st->id, st.get(), RDMA_PS_TCP) != 0) co_return last_errno();
     auto r = co_await with_timeout(connect_steps(st, remote), opts.connect_timeout);
     if (!r) {
+      // Late once the request (our hello) was out: the peer did not finish the handshake.
+      const bool requested = st->qp != nullptr;
       st->shutdown();
+      if (r.error() == errc::operation_timeout)
+        co_return requested ? make_error_code(errc::handshake_timeout) : std::make_error_code(std::errc::timed_out);
       co_return r.error();
     }
     co_return connection(std::make_unique<verbs_connection>(std::move(st)));

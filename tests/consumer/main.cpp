@@ -51,7 +51,7 @@ task<int> transport_echo_once() {
     co_return ok && co_await c->close();
   };
   auto ask = [&]() -> task<bool> {
-    auto c = co_await client_domain->connect(endpoint::loopback(l->local_endpoint().port()));
+    auto c = co_await client_domain->connect(endpoint::loopback(l->local_endpoint()->port()));
     if (!c) co_return false;
     const char msg[] = "ping";
     if (!co_await c->send(std::as_bytes(std::span(msg, 4)))) co_return false;

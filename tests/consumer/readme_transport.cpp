@@ -75,7 +75,7 @@ int main() {
   std::vector<std::byte> buffer(4096);
   std::uint64_t counter = 41;
   auto [served, before] = ctx.run(when_all(serve(*server_domain, *l, buffer, counter),
-                                           client(*client_domain, endpoint::loopback(l->local_endpoint().port()))));
+                                           client(*client_domain, endpoint::loopback(l->local_endpoint()->port()))));
   if (!served || !before) {
     std::printf("transport example failed: %s\n", (served ? before.error() : served.error()).message().c_str());
     return 1;

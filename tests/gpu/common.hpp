@@ -25,7 +25,7 @@ inline task<void> make_pair(pair_t& p, connection_options opts = {}) {
   p.server_domain.emplace(domain::open(d).value());
   p.client_domain.emplace(domain::open(d).value());
   p.l = p.server_domain->listen(endpoint::parse("127.0.0.1:0").value(), opts).value();
-  auto ep = endpoint::parse("127.0.0.1:" + std::to_string(p.l.local_endpoint().port())).value();
+  auto ep = endpoint::parse("127.0.0.1:" + std::to_string(p.l.local_endpoint()->port())).value();
   auto [s, c] = co_await when_all(p.l.accept(), p.client_domain->connect(ep, opts));
   p.server = std::move(s).value();
   p.client = std::move(c).value();

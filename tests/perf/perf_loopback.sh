@@ -46,8 +46,8 @@ done
 grep -q "unknown test" "$work/bad.log" || fail "no message for a bad --test"
 "$perf" 127.0.0.1 --transport tcp --port "$port" --test write_bw --slots 0 >"$work/bad.log" 2>&1 &&
   fail "--slots 0 accepted"
-grep -q "slots must be at least 1" "$work/bad.log" || fail "no message for --slots 0"
+grep -q -- "--slots: bad value '0'" "$work/bad.log" || fail "no message for --slots 0"
 "$perf" 127.0.0.1 --transport tcp --port "$port" --test read_lat --ops some >"$work/bad.log" 2>&1 &&
   fail "--ops some accepted"
-grep -q "ops must be prepared or single" "$work/bad.log" || fail "no message for a bad --ops"
+grep -q -- "--ops: bad value 'some' (prepared, single)" "$work/bad.log" || fail "no message for a bad --ops"
 echo "ok"

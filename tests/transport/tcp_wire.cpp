@@ -27,7 +27,7 @@ domain_options tcp_options() {
   o.kind = transport_kind::tcp;
   return o;
 }
-bool proto(const std::error_code& ec) { return ec == make_error_code(errc::protocol_error); }
+bool proto(const std::error_code& ec) { return matches(ec, errc::protocol_error); }  // its refinements too
 }  // namespace
 
 TEST_CASE("wire: hello round trip and refusal") {
@@ -192,7 +192,7 @@ task<void> raw_peer_case(std::vector<std::byte> (*make)(std::uint64_t addr, std:
   std::span<std::byte> region(mem.data() + 1024, 1024);
   auto mr = d.register_memory(region, access::all).value();
   auto l = d.listen(endpoint::loopback(0)).value();
-  auto ep = endpoint::loopback(l.local_endpoint().port());
+  auto ep = endpoint::loopback(l.local_endpoint()->port());
   auto raw = [](endpoint ep, std::vector<std::byte> bytes) -> task<void> {
     auto s = (co_await tcp_socket::connect(ep)).value();
     std::array<std::byte, hello_size> hb{};
@@ -231,7 +231,6 @@ task<void> raw_peer_case(std::vector<std::byte> (*make)(std::uint64_t addr, std:
   co_await when_all(raw(ep, make(mr.remote().address, mr.rkey())), server(l, expect));
   CHECK(std::all_of(mem.begin(), mem.end(), [](std::byte b) { return b == std::byte{0x77}; }));
   l.close();
-  (void)co_await sleep_for(5ms);
 }
 
 std::vector<std::byte> bytes_of(std::initializer_list<header> hs, std::size_t extra = 0) {
@@ -318,7 +317,7 @@ TEST_CASE("raw peer: a bad hello is dropped, the listener serves the next client
     auto d = domain::open(tcp_options()).value();
     auto d2 = domain::open(tcp_options()).value();
     auto l = d.listen(endpoint::loopback(0)).value();
-    auto ep = endpoint::loopback(l.local_endpoint().port());
+    auto ep = endpoint::loopback(l.local_endpoint()->port());
     auto bad = [](endpoint ep) -> task<void> {
       auto s = (co_await tcp_socket::connect(ep)).value();
       std::vector<std::byte> junk(hello_size, std::byte{0x42});
@@ -343,6 +342,127 @@ TEST_CASE("raw peer: a bad hello is dropped, the listener serves the next client
     (void)co_await c->close();
     (void)co_await a->close();
     l.close();
-    (void)co_await sleep_for(5ms);
+  }());
+}
+
+namespace {
+// A raw TCP server on loopback that accepts one client, says `answer` (if
+// anything) and keeps the socket open until told to stop.
+task<void> raw_server(tcp_listener& l, std::vector<std::byte> answer, event& stop) {
+  auto s = (co_await l.accept()).value();
+  if (!answer.empty()) (void)co_await s.write_all(answer);
+  (void)co_await with_timeout(stop.wait(), 30s);
+}
+
+// A shuttle connect to a raw server answering `answer`; its error.
+task<std::error_code> connect_to_raw(std::vector<std::byte> answer, std::chrono::milliseconds timeout = 10s) {
+  auto d = domain::open(tcp_options()).value();
+  auto l = tcp_listener::bind(endpoint::loopback(0)).value();
+  auto ep = l.local_endpoint().value();
+  event stop;
+  std::error_code ec;
+  auto client = [&]() -> task<void> {
+    connection_options o;
+    o.connect_timeout = timeout;
+    auto c = co_await d.connect(ep, o);
+    ec = c ? std::error_code{} : c.error();
+    stop.set();
+  };
+  co_await when_all(raw_server(l, std::move(answer), stop), client());
+  co_return ec;
+}
+
+std::vector<std::byte> text(std::string_view s) {
+  std::vector<std::byte> v(s.size());
+  std::memcpy(v.data(), s.data(), s.size());
+  return v;
+}
+}  // namespace
+
+TEST_CASE("wire: a bad magic is not_a_shuttle_peer, another version wire_version_mismatch, bad sizes protocol_error") {
+  std::array<std::byte, hello_size> b{};
+  hello h;
+  h.receive_buffers = 64;
+  h.receive_buffer_size = 65536;
+  encode_hello(h, b);
+  auto bad = b;
+  bad[0] = std::byte{'X'};
+  CHECK(decode_hello(bad).error() == make_error_code(errc::not_a_shuttle_peer));
+  bad = b;
+  bad[4] = std::byte{1};
+  CHECK(decode_hello(bad).error() == make_error_code(errc::wire_version_mismatch));
+  h.receive_buffers = 0;
+  encode_hello(h, bad);
+  CHECK(decode_hello(bad).error() == make_error_code(errc::protocol_error));
+  CHECK(starts_like_hello(std::span(b).first(3)));
+  CHECK_FALSE(starts_like_hello(text("SSH")));
+}
+
+TEST_CASE("connect errors: a silent peer is handshake_timeout, distinct from the TCP connect's timeout") {
+  io_context ctx;
+  auto ec = ctx.run(connect_to_raw({}, 50ms));
+  CHECK(ec == make_error_code(errc::handshake_timeout));
+  CHECK(ec == std::errc::timed_out);
+  CHECK(ec.message() != std::make_error_code(std::errc::timed_out).message());
+  CHECK(ec.message() != make_error_code(errc::operation_timeout).message());
+}
+
+TEST_CASE("connect errors: another protocol's peer is not_a_shuttle_peer, at its first bytes") {
+  io_context ctx;
+  // A banner shorter than a hello: told apart without waiting for more.
+  auto ec = ctx.run(connect_to_raw(text("SSH-2.0-x\r\n")));
+  CHECK(ec == make_error_code(errc::not_a_shuttle_peer));
+  CHECK(matches(ec, errc::protocol_error));
+  ec = ctx.run(connect_to_raw(text("HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")));
+  CHECK(ec == make_error_code(errc::not_a_shuttle_peer));
+}
+
+TEST_CASE("connect errors: a shuttle peer of another wire version is wire_version_mismatch") {
+  io_context ctx;
+  std::vector<std::byte> other(hello_size);
+  hello h;
+  h.version = protocol_version + 1;
+  h.receive_buffers = 64;
+  h.receive_buffer_size = 65536;
+  encode_hello(h, std::span<std::byte, hello_size>(other.data(), hello_size));
+  auto ec = ctx.run(connect_to_raw(other));
+  CHECK(ec == make_error_code(errc::wire_version_mismatch));
+  CHECK(matches(ec, errc::protocol_error));
+}
+
+TEST_CASE("listener: a refused peer's reason names what happened") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto d = domain::open(tcp_options()).value();
+    std::vector<std::string> why;
+    listener_options lim;
+    lim.handshake_timeout = 50ms;
+    lim.on_refused = [&](const endpoint&, std::string_view w) { why.emplace_back(w); };
+    auto l = d.listen(endpoint::loopback(0), {}, lim).value();
+    auto ep = l.local_endpoint().value();
+    // One peer speaks another protocol, one says nothing; then a good one.
+    auto peer = [](endpoint ep, std::vector<std::byte> say) -> task<void> {
+      auto s = (co_await tcp_socket::connect(ep)).value();
+      if (!say.empty()) (void)co_await s.write_all(say);
+      std::array<std::byte, 64> sink{};
+      for (;;) {
+        auto n = co_await s.read_some(sink);
+        if (!n || *n == 0) break;
+      }
+    };
+    auto good = [](domain& d, endpoint ep, std::vector<std::string>& why) -> task<result<connection>> {
+      while (why.size() < 2) (void)co_await sleep_for(5ms);  // both refused first
+      co_return co_await d.connect(ep);
+    };
+    auto [a, x, y, c] = co_await when_all(l.accept(), peer(ep, text("GET / HTTP/1.0\r\n\r\n")), peer(ep, {}),
+                                          good(d, ep, why));
+    REQUIRE(a.has_value());
+    REQUIRE(c.has_value());
+    REQUIRE(why.size() == 2);
+    std::sort(why.begin(), why.end());
+    CHECK(why[0] == "handshake failed: " + make_error_code(errc::handshake_timeout).message());
+    CHECK(why[1] == "handshake failed: " + make_error_code(errc::not_a_shuttle_peer).message());
+    (void)co_await c->close();
+    (void)co_await a->close();
   }());
 }

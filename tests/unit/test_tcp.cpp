@@ -161,6 +161,8 @@ TEST_CASE("tcp: connect timeout") {
     co_return std::make_error_code(std::errc::io_error);
   }());
   CHECK(r.error() == std::errc::timed_out);
+  // The TCP connect's own timeout, not with_timeout's (nor a handshake's).
+  CHECK(r.error() == std::make_error_code(std::errc::timed_out));
 }
 
 TEST_CASE("tcp: a cancelled read resumes only after the kernel let go of the buffer") {

@@ -1,6 +1,7 @@
 // Verbs pieces that must work on any host, with or without an RDMA device.
 #include <doctest/doctest.h>
 
+#include <shuttle/io_context.hpp>
 #include <shuttle/transport.hpp>
 #include <shuttle/verbs/verbs.hpp>
 
@@ -36,6 +37,7 @@ TEST_CASE("verbs error category: messages and neutral equivalence") {
 TEST_CASE("verbs domain: not_supported without a device, automatic falls back") {
   auto devs = verbs::list_devices();
   if (!devs || !devs->empty()) return;  // a host with a device: covered in the guest
+  io_context ctx;  // a domain belongs to a loop (else errc::no_io_context)
   domain_options o;
   o.kind = transport_kind::verbs;
   auto d = domain::open(o);

@@ -86,7 +86,7 @@ struct echo_server {
     scope.spawn(accept_loop());
     return {};
   }
-  endpoint ep() { return test_endpoint(l.local_endpoint().port()); }
+  endpoint ep() { return test_endpoint(l.local_endpoint()->port()); }
   task<void> accept_loop() {
     for (;;) {
       auto c = co_await l.accept();

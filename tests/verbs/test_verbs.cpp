@@ -70,7 +70,7 @@ struct pair_t {
 
 task<void> make_pair(domain& sd, domain& cd, pair_t& p, connection_options opts = {}) {
   p.l = sd.listen(test_endpoint(0), opts).value();
-  auto ep = test_endpoint(p.l.local_endpoint().port());
+  auto ep = test_endpoint(p.l.local_endpoint()->port());
   auto [s, c] = co_await when_all(accept_within_limit(p.l), cd.connect(ep, opts));
   p.server = std::move(s).value();
   p.client = std::move(c).value();
@@ -110,7 +110,7 @@ TEST_CASE("peer process killed mid-transfer: pending operations fail, no hang, n
   ctx.run([&]() -> task<void> {
     auto d = open_verbs();
     auto l = d.listen(test_endpoint(0)).value();
-    std::uint16_t port = l.local_endpoint().port();
+    std::uint16_t port = l.local_endpoint()->port();
     REQUIRE(::write(pipefd[1], &port, sizeof port) == sizeof port);
     ::close(pipefd[1]);
     auto c = co_await accept_within_limit(l);
@@ -437,7 +437,7 @@ TEST_CASE("64 QPs share one CQ per domain; pipelined operations on all") {
     opts.receive_buffer_size = 4096;
     opts.send_queue_depth = 8;
     auto l = sd.listen(test_endpoint(0), opts).value();
-    auto ep = test_endpoint(l.local_endpoint().port());
+    auto ep = test_endpoint(l.local_endpoint()->port());
     constexpr int n = 64;
     std::vector<std::byte> target(n * 4096);
     auto mr = sd.register_memory(target, access::all).value();
@@ -484,7 +484,7 @@ TEST_CASE("1000 connect/disconnect cycles without fd or memory growth") {
     opts.receive_buffer_size = 4096;
     opts.send_queue_depth = 4;
     auto l = sd.listen(test_endpoint(0), opts).value();
-    auto ep = test_endpoint(l.local_endpoint().port());
+    auto ep = test_endpoint(l.local_endpoint()->port());
     int cycles = 1000;
     if (const char* e = std::getenv("SHUTTLE_VERBS_CYCLES")) cycles = std::atoi(e);
     int fds0 = 0;
@@ -629,7 +629,7 @@ TEST_CASE("shared receive queue: 16 connections on one SRQ per side, uneven load
     opts.receive_buffer_size = 1024;
     opts.send_queue_depth = 16;
     auto l = sd.listen(test_endpoint(0), opts).value();
-    auto ep = test_endpoint(l.local_endpoint().port());
+    auto ep = test_endpoint(l.local_endpoint()->port());
     constexpr int n = 16, per = 200;
     std::vector<connection> ss, cs;
     for (int i = 0; i < n; ++i) {
