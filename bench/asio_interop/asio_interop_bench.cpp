@@ -39,6 +39,8 @@
 #endif
 #include "../../examples/stream_pipeline.cpp"
 
+#include <boost/asio/executor_work_guard.hpp>
+
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -218,6 +220,9 @@ int main(int argc, char** argv) {
     shuttle::io_context loop;
     sa::context sctx(loop);
     net::io_context actx(1);
+    // Many runs on one context, with no Asio work between them: a guard
+    // keeps it from stopping (Asio's out-of-work rule) until the last.
+    auto guard = net::make_work_guard(actx);
     sa::asio_driver driver(loop, actx);
 
     // One run of each form: returns ns per operation.

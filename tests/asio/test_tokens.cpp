@@ -17,6 +17,7 @@
 #include <boost/asio/bind_executor.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -368,6 +369,9 @@ TEST_CASE("asio::io_context driven by the shuttle loop: asio sockets and timers,
 TEST_CASE("reverse: a shuttle task awaits an asio timer and an asio socket (use_task), and cancels them") {
   shuttle::io_context loop;
   net::io_context actx(1);
+  // Between its Asio operations the task leaves actx without work: as for a
+  // thread in io_context::run(), a work guard keeps the context running.
+  auto guard = net::make_work_guard(actx);
   sa::asio_driver driver(loop, actx);
   loop.run([&]() -> task<void> {
     net::steady_timer t(actx, 2ms);
@@ -410,7 +414,7 @@ TEST_CASE("transport: write_with_imm and recv with Asio tokens; in-flight RDMA r
   auto sd = shuttle::domain::open().value();
   auto cd = shuttle::domain::open().value();
   auto l = sd.listen(shuttle::endpoint::loopback(0)).value();
-  auto ep = shuttle::endpoint::loopback(l.local_endpoint().port());
+  auto ep = shuttle::endpoint::loopback(l.local_endpoint()->port());
   auto [s_, c_] = loop.run(shuttle::when_all(l.accept(), cd.connect(ep)));
   auto server = std::move(s_).value();
   auto client = std::move(c_).value();
@@ -670,6 +674,9 @@ TEST_CASE("[slots] cancellation slots: TCP read, partial vs terminal on a transp
 TEST_CASE("[slots] single-submission operations: slot cleared at completion; a handler on another executor") {
   shuttle::io_context loop;
   net::io_context actx(1);
+  // A pending shuttle operation is not work on the io_context its handler is
+  // bound to: without a guard, actx would stop (out of work) at its first poll.
+  auto guard = net::make_work_guard(actx);
   sa::asio_driver driver(loop, actx);
   auto p = loop.run(connected_pair());
   std::vector<std::byte> buf(16);

@@ -153,7 +153,7 @@ struct bound_completion {
 // inside any_io_executor); null otherwise.
 template <class Ex>
 shuttle::io_context* shuttle_loop_of(const Ex& ex) noexcept {
-  if constexpr (std::is_same_v<Ex, basic_executor<false>> || std::is_same_v<Ex, basic_executor<true>>) {
+  if constexpr (is_basic_executor_v<Ex>) {
     return &ex.loop();
   } else if constexpr (requires { ex.target_type(); }) {
     // any_io_executor. (target<T>() only after the type check: Boost 1.74's
@@ -163,6 +163,10 @@ shuttle::io_context* shuttle_loop_of(const Ex& ex) noexcept {
       return &ex.template target<basic_executor<false>>()->loop();
     if (ex.target_type() == typeid(basic_executor<true>))
       return &ex.template target<basic_executor<true>>()->loop();
+    if (ex.target_type() == typeid(basic_executor<false, true>))
+      return &ex.template target<basic_executor<false, true>>()->loop();
+    if (ex.target_type() == typeid(basic_executor<true, true>))
+      return &ex.template target<basic_executor<true, true>>()->loop();
 #endif
     return nullptr;  // unknown: dispatched (and the driver kicked, a wasted poll at worst)
   } else {

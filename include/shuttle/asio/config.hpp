@@ -1,6 +1,13 @@
 // Boost.Asio configuration for shuttle's interop headers. Include the interop
 // headers (or this one) before any other Boost.Asio header in a translation
-// unit: the macros below must be seen by Asio's own configuration.
+// unit: the macros below must be seen by Asio's own configuration. Every
+// shuttle/asio header includes this one first, and this one refuses to
+// compile after an Asio header (#error below), so the rule cannot be broken
+// silently within a translation unit. Across translation units of one
+// program, each that uses Asio's coroutines on clang with Boost 1.74 must
+// include a shuttle/asio header first (or define BOOST_ASIO_HAS_CO_AWAIT and
+// BOOST_ASIO_HAS_STD_COROUTINE itself, e.g. on the command line); g++, and
+// clang with Boost >= 1.81, configure Asio the same way without it.
 //
 // Supported Boost range: 1.74 (Debian 12's libboost-dev, the floor) to 1.81
 // (Debian 12's libboost1.81-dev), both built and tested in CI (the asio
@@ -37,6 +44,14 @@
 // recycling.hpp uses Asio's per-thread memory cache (detail::call_stack,
 // thread_info_base), the same in 1.74 and 1.81.
 #pragma once
+
+// Asio's configuration is fixed by its first header: one seen before this
+// point was configured without the macros below (on clang with Boost 1.74,
+// without co_await: a different awaitable, an ODR violation once linked with
+// code that saw them).
+#if defined(BOOST_ASIO_DETAIL_CONFIG_HPP)
+#  error "a Boost.Asio header was included before <shuttle/asio/...>: include shuttle's Asio headers (or <shuttle/asio/config.hpp>) first in this file"
+#endif
 
 // Boost 1.74's awaitable.hpp uses std::exchange without including <utility>.
 #include <utility>
