@@ -36,6 +36,12 @@ ex="$docs/usr/share/doc/libboost1.81-doc/examples/libs/asio/example"
 out=$(mktemp -d "${TMPDIR:-/tmp}/asio-doc-run.XXXXXX")
 trap 'rm -rf "$out"' EXIT
 CXX=${CXX:-c++}
+# A sanitized build's libshuttle.a needs the same -fsanitize at link time.
+san=$(meson introspect "$build" --buildoptions 2>/dev/null |
+  python3 -c 'import json,sys; print(next((o["value"] for o in json.load(sys.stdin) if o["name"]=="b_sanitize"),"none"))' ||
+  echo none)
+sanflags=()
+[ "$san" = none ] || sanflags=(-fsanitize="$san" -fno-omit-frame-pointer)
 
 # move FILE CONTEXT_VAR: the example with its main()'s `CONTEXT_VAR.run();` on shuttle's loop.
 move() {
@@ -49,7 +55,7 @@ move() {
 }
 build_one() {  # source -> binary
   local bin="${1%.cpp}"
-  $CXX -std=c++20 -O1 -Werror=return-type -isystem "$boost_inc" -Iinclude -I"$build/include" "$1" -o "$bin" \
+  $CXX -std=c++20 -O1 "${sanflags[@]}" -Werror=return-type -isystem "$boost_inc" -Iinclude -I"$build/include" "$1" -o "$bin" \
     "$lib" -luring -lpthread
   echo "$bin"
 }

@@ -583,7 +583,7 @@ TEST_CASE("[slots] cancellation slots: TCP read, partial vs terminal on a transp
   auto sd = shuttle::domain::open().value();
   auto cd = shuttle::domain::open().value();
   auto l = sd.listen(shuttle::endpoint::loopback(0)).value();
-  auto ep = shuttle::endpoint::loopback(l.local_endpoint().port());
+  auto ep = shuttle::endpoint::loopback(l.local_endpoint()->port());
   auto [s_, c_] = loop.run(shuttle::when_all(l.accept(), cd.connect(ep)));
   auto server = std::move(s_).value();
   auto client = std::move(c_).value();
@@ -755,7 +755,7 @@ TEST_CASE("[deferred] deferred, as_tuple, || and && (with slot cancellation)") {
   auto sd = shuttle::domain::open().value();
   auto cd = shuttle::domain::open().value();
   auto l = sd.listen(shuttle::endpoint::loopback(0)).value();
-  auto ep = shuttle::endpoint::loopback(l.local_endpoint().port());
+  auto ep = shuttle::endpoint::loopback(l.local_endpoint()->port());
   auto [s_, c_] = loop.run(shuttle::when_all(l.accept(), cd.connect(ep)));
   auto server = std::move(s_).value();
   auto client = std::move(c_).value();
