@@ -197,6 +197,10 @@ class scheduler_driver : public shuttle::poller {
   std::uint64_t polls() const noexcept { return polls_; }
   std::uint64_t handlers() const noexcept { return handlers_; }
 
+  // Asio's readiness wakes the ring through the armed poll: no spinning for
+  // it (a plain io_context blocks in epoll_wait at once, too).
+  bool busy_poll() const noexcept override { return false; }
+
   bool poll() override {
     if (!kick_ && !ready_ && ++turns_ < busy_poll_interval) return false;
     return pump();
