@@ -64,7 +64,9 @@ TEST_CASE("pool: timer5 on a runtime of two loops ends on its own") {
   shuttle::runtime rt(2);
   std::size_t n = sa::run(rt, io);
   CHECK(p.count == 10);
-  CHECK(n == 12);  // 10 re-arming turns and the two last ones
+  // 12 timer completions; the strand's invokers are handlers of io too,
+  // one per timer handler or one for several, as the loops' timing falls.
+  CHECK(n >= 12);
   CHECK(io.stopped());
   // Every handler ran on one of the runtime's loops, none on this thread.
   CHECK(p.threads.count(std::this_thread::get_id()) == 0);
