@@ -31,8 +31,9 @@
 // thread is started. The context makes Asio's scheduler service itself,
 // without the private thread Asio gives a scheduler that no io_context runs,
 // and drives it from the loop as asio_driver drives an io_context
-// (scheduler_driver.hpp: Asio's epoll fd watched by the loop's ring). It
-// costs nothing until an I/O object starts its first operation. Their
+// (scheduler_driver.hpp: Asio's epoll fd watched by the loop's ring). Until
+// an I/O object starts its first operation that is a counter check on some
+// of the loop's turns (no reactor, no epoll fd). Their
 // handlers run through this executor, their pending operations count as
 // work. The resolver keeps its own thread for getaddrinfo, as it does on an
 // io_context; its completions come back to the loop's thread. Create I/O
