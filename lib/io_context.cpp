@@ -244,10 +244,21 @@ void io_context::forget_orphan(detail::orphan_op* op) noexcept {
   op->orphan_prev = op->orphan_next = nullptr;
 }
 
-void io_context::add_poller(poller& p) { pollers_.push_back(&p); }
+void io_context::add_poller(poller& p) {
+  pollers_.push_back(&p);
+  if (p.busy_poll()) {
+    try {
+      spin_pollers_.push_back(&p);
+    } catch (...) {
+      pollers_.pop_back();
+      throw;
+    }
+  }
+}
 
 void io_context::remove_poller(poller& p) noexcept {
   pollers_.erase(std::remove(pollers_.begin(), pollers_.end(), &p), pollers_.end());
+  spin_pollers_.erase(std::remove(spin_pollers_.begin(), spin_pollers_.end(), &p), spin_pollers_.end());
 }
 
 void io_context::run_ready() {
@@ -379,7 +390,7 @@ void io_context::run_until(const bool& done, bool stoppable) {
     ~current_guard() { current_context = previous; }
   } guard(this);
 
-  detail::spin_policy spin(opts_.spin_budget, opts_.ring_spin_budget, pollers_);
+  detail::spin_policy spin(opts_.spin_budget, opts_.ring_spin_budget, spin_pollers_);
   while (!done && !(stoppable && stop_requested_.load(std::memory_order_relaxed))) {
     // 1. Remote work first: a task posted here before the loop started (a
     // spawn) must be running before the ready coroutines look for it.

@@ -11,7 +11,10 @@
 // client closes; the server's coroutines end on EOF and run() returns on its
 // own (no stop(): Asio's out-of-work rule, on all three).
 //
-//   asio_echo_ratio [seconds=1] [rounds=5] [conns=16] [msg=64]
+//   asio_echo_ratio [seconds=1] [rounds=5] [conns=16] [msg=64] [only=all]
+//
+// only = plain, driven or own runs that mode alone (for a profiler, e.g.
+// valgrind --tool=callgrind: instructions per echo).
 //
 // Prints round trips per second for each run (modes interleaved, rounds
 // times), then per mode the median and the spread (min-max), and the ratios
@@ -56,6 +59,7 @@ struct config {
   int rounds = 5;
   int conns = 16;
   std::size_t msg = 64;
+  std::string only = "all";
 };
 
 // The client: blocking sockets on another thread. Returns round trips.
@@ -137,6 +141,7 @@ net::awaitable<void> own_listener(shuttle::tcp_listener l, int conns) {
 }
 
 enum class mode { plain, driven, own };
+std::uint64_t last_trips = 0;  // of the last run_once
 const char* name(mode m) { return m == mode::plain ? "plain io_context" : m == mode::driven ? "driven io_context" : "shuttle::asio::context"; }
 
 double run_once(mode m, const config& c) {
@@ -167,6 +172,7 @@ double run_once(mode m, const config& c) {
     }
   }
   cl.join();
+  last_trips = trips;
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return static_cast<double>(trips) / secs;
 }
@@ -184,14 +190,28 @@ int main(int argc, char** argv) {
   if (argc > 2) c.rounds = std::atoi(argv[2]);
   if (argc > 3) c.conns = std::atoi(argv[3]);
   if (argc > 4) c.msg = static_cast<std::size_t>(std::atol(argv[4]));
-  if (c.seconds <= 0 || c.rounds <= 0 || c.conns <= 0 || c.msg == 0 || c.msg > 4096) {
-    std::fprintf(stderr, "usage: asio_echo_ratio [seconds>0] [rounds>0] [conns>0] [msg 1..4096]\n");
+  if (argc > 5) c.only = argv[5];
+  if (c.seconds <= 0 || c.rounds <= 0 || c.conns <= 0 || c.msg == 0 || c.msg > 4096 ||
+      (c.only != "all" && c.only != "plain" && c.only != "driven" && c.only != "own")) {
+    std::fprintf(stderr, "usage: asio_echo_ratio [seconds>0] [rounds>0] [conns>0] [msg 1..4096] [all|plain|driven|own]\n");
     return 2;
   }
   std::printf("echo: %d connections, %zu-byte messages, %.1f s per run, %d rounds (modes interleaved)\n", c.conns,
               c.msg, c.seconds, c.rounds);
   const mode modes[] = {mode::plain, mode::driven, mode::own};
+  const char* keys[] = {"plain", "driven", "own"};
   std::vector<double> rates[3];
+  if (c.only != "all") {
+    for (int i = 0; i < 3; ++i) {
+      if (c.only != keys[i]) continue;
+      for (int r = 0; r < c.rounds; ++r) {
+        double rate = run_once(modes[i], c);
+        std::printf("  round %d %-24s %10.0f round trips/s, %llu round trips\n", r + 1, name(modes[i]), rate,
+                    static_cast<unsigned long long>(last_trips));
+      }
+    }
+    return 0;
+  }
   for (int r = 0; r < c.rounds; ++r) {
     for (int i = 0; i < 3; ++i) {
       double rate = run_once(modes[i], c);

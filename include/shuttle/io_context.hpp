@@ -170,6 +170,7 @@ class io_context {
   detail::io_op wake_op_{};
 
   std::vector<poller*> pollers_;
+  std::vector<poller*> spin_pollers_;  // those of pollers_ that busy_poll(): the spin policy's
   std::shared_ptr<detail::file_table> files_;  // made by the first register_file
   std::vector<int> free_slots_;
   detail::orphan_op* orphans_ = nullptr;

@@ -10,7 +10,10 @@
 //  - exit_interrupt_mode(): the loop woke up and polls again.
 //
 // The loop spins over its pollers while they do work, up to the context's
-// spin budget after the last useful poll, then sleeps in the ring.
+// spin budget after the last useful poll, then sleeps in the ring. A poller
+// whose source wakes the ring by itself as cheaply as a spin would find it
+// (busy_poll() false: Asio's epoll fd, watched by an io_uring poll) is
+// polled on every turn but does not make the loop spin.
 #pragma once
 
 namespace shuttle {
@@ -21,6 +24,8 @@ class poller {
   virtual bool poll() = 0;
   virtual bool try_enter_interrupt_mode() = 0;
   virtual void exit_interrupt_mode() = 0;
+  // Read once, by add_poller.
+  virtual bool busy_poll() const noexcept { return true; }
 };
 
 }  // namespace shuttle

@@ -7,6 +7,9 @@
 #   cpp03/timers/time_t_timer.cpp   must end on its own (out of work)
 #   cpp03/tutorial/timer3/timer.cpp must end on its own, printing 0..4
 #   cpp20/coroutines/echo_server.cpp answers a client, ends on SIGINT
+#   cpp03/tutorial/timer5/timer.cpp must end on its own, counting to 10; its
+#     pool (io.run() on main and on a boost::thread) becomes a
+#     shuttle::runtime of two loops: shuttle::asio::run(rt, io) (pool.hpp)
 #
 #   tests/asio/doc_examples.sh BUILD_DIR     (a configured and built build dir)
 #
@@ -53,6 +56,21 @@ move() {
   } >"$dst"
   echo "$dst"
 }
+# move_pool FILE: timer5's main() (a thread in io.run(), main in io.run(),
+# join) on a shuttle::runtime of two loops sharing io.
+move_pool() {
+  local src=$1 dst="$out/$(basename "$(dirname "$1")")_$(basename "$1")"
+  for l in '^ *boost::thread t(boost::bind(&boost::asio::io_context::run, &io));' '^ *io\.run();' '^ *t\.join();'; do
+    grep -q "$l" "$src" || { echo "doc_examples: no '$l' in $src" >&2; exit 1; }
+  done
+  {
+    echo '#include <shuttle/asio/asio.hpp>  // added: first (the include rule)'
+    sed -e 's|^\( *\)boost::thread t(boost::bind(&boost::asio::io_context::run, &io));|\1shuttle::runtime shuttle_rt(2);  // was: a boost::thread running io.run()|' \
+        -e 's|^\( *\)io\.run();|\1shuttle::asio::run(shuttle_rt, io);  // was: io.run();|' \
+        -e 's|^\( *\)t\.join();|\1// was: t.join();|' "$src"
+  } >"$dst"
+  echo "$dst"
+}
 build_one() {  # source -> binary
   local bin="${1%.cpp}"
   $CXX -std=c++20 -O1 "${sanflags[@]}" -Werror=return-type -isystem "$boost_inc" -Iinclude -I"$build/include" "$1" -o "$bin" \
@@ -71,6 +89,12 @@ bin=$(build_one "$src")
 if timeout 30 "$bin" >"$out/t3.log" 2>&1 && grep -q "^4$" "$out/t3.log" && grep -q "Final count is 5" "$out/t3.log"; then
   echo "timer3: ended on its own, counted to 5"
 else echo "timer3: FAILED"; cat "$out/t3.log"; status=1; fi
+
+src=$(move_pool "$ex/cpp03/tutorial/timer5/timer.cpp")
+bin=$(build_one "$src")
+if timeout 60 "$bin" >"$out/t5.log" 2>&1 && grep -q "^Timer [12]: 9$" "$out/t5.log" && grep -q "Final count is 10" "$out/t5.log"; then
+  echo "timer5: ended on its own on two loops, counted to 10"
+else echo "timer5: FAILED"; cat "$out/t5.log"; status=1; fi
 
 src=$(move "$ex/cpp20/coroutines/echo_server.cpp" io_context)
 bin=$(build_one "$src")

@@ -1,7 +1,8 @@
 // Asio's own rules on shuttle's loop (issue 34): a driven asio::io_context
 // ends when Asio's would (out of work, stop()), work posted to it from
-// Asio's threads (the resolver's, a worker's) wakes the loop, and shuttle's
-// executor tracks outstanding work so a program of Asio work ends with it.
+// Asio's threads (the resolver's, a worker's) wakes the loop, shuttle's
+// executor tracks outstanding work so a program of Asio work ends with it,
+// and Asio's I/O objects on shuttle's executor start no Asio thread.
 //
 // A hang is the failure mode of most of these (meson's timeout reports it);
 // none asserts on time.
@@ -14,16 +15,24 @@
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/bind_executor.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
 
 #include <shuttle/shuttle.hpp>
 
 #include <atomic>
+#include <csignal>
+#include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 namespace net = boost::asio;
 namespace sa = shuttle::asio;
@@ -241,4 +250,115 @@ TEST_CASE("shuttle::asio::context: run() with no work returns; stop() from anoth
   stopper.join();
   CHECK(ctx.stopped());
   CHECK(ctx.outstanding_work() == 1);
+}
+
+// A shuttle operation whose handler runs on the driven context counts as
+// work there, as Asio's own operations do (handler_work): the context does
+// not stop, and run() does not return, while it is pending.
+TEST_CASE("driven io_context: a pending shuttle operation bound to it is its work") {
+  shuttle::io_context loop;
+  net::io_context actx(1);
+  bool fired = false;
+  std::thread::id ran_on;
+  sa::async_wait_for(3ms, net::bind_executor(actx, [&](error_code ec) {
+    CHECK(!ec);
+    fired = true;
+    ran_on = std::this_thread::get_id();
+  }));
+  // The same through async_run's general path (a shuttle task's result).
+  std::optional<int> got;
+  sa::async_run(loop, []() -> task<int> {
+    (void)co_await shuttle::sleep_for(2ms);
+    co_return 7;
+  }, net::bind_executor(actx, [&](std::exception_ptr, int v) { got = v; }));
+  sa::asio_driver drive(loop, actx);
+  CHECK(drive.run() == 2);
+  CHECK(fired);
+  CHECK(got == 7);
+  CHECK(ran_on == std::this_thread::get_id());
+  CHECK(actx.stopped());
+}
+
+namespace {
+// Threads of this process now.
+std::size_t thread_count() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+}  // namespace
+
+// Asio's I/O objects on shuttle's executor: no Asio scheduler thread, every
+// completion on the loop's thread.
+TEST_CASE("shuttle::asio::context: steady_timer, tcp sockets and signal_set run on the loop's thread") {
+  const std::size_t before = thread_count();
+  const auto me = std::this_thread::get_id();
+  shuttle::io_context loop;
+  sa::context ctx(loop);
+  net::steady_timer timer(ctx, 1ms);
+  net::ip::tcp::acceptor acceptor(ctx, {net::ip::make_address("127.0.0.1"), 0});
+  net::ip::tcp::socket client(ctx), server(ctx);
+  net::signal_set signals(ctx, SIGUSR1);
+  CHECK(thread_count() == before);
+  std::vector<std::thread::id> ran_on;
+  std::string echoed;
+  int signal_number = 0;
+  net::co_spawn(ctx, [&]() -> net::awaitable<void> {
+    co_await timer.async_wait(net::use_awaitable);
+    ran_on.push_back(std::this_thread::get_id());
+    acceptor.async_accept(server, [&](error_code ec) {
+      CHECK(!ec);
+      ran_on.push_back(std::this_thread::get_id());
+    });
+    co_await client.async_connect(acceptor.local_endpoint(), net::use_awaitable);
+    ran_on.push_back(std::this_thread::get_id());
+    co_await net::async_write(client, net::buffer(std::string_view("ping")), net::use_awaitable);
+    char buf[4];
+    co_await net::async_read(server, net::buffer(buf), net::use_awaitable);
+    ran_on.push_back(std::this_thread::get_id());
+    echoed.assign(buf, 4);
+    ::raise(SIGUSR1);  // to this thread: Asio's handler writes its pipe
+    signal_number = co_await signals.async_wait(net::use_awaitable);
+    ran_on.push_back(std::this_thread::get_id());
+  }, net::detached);
+  ctx.run();  // ends with the coroutine: the operations counted as work
+  CHECK(echoed == "ping");
+  CHECK(signal_number == SIGUSR1);
+  REQUIRE(ran_on.size() == 5);
+  for (auto id : ran_on) CHECK(id == me);
+  CHECK(thread_count() == before);
+}
+
+// The resolver keeps its own getaddrinfo thread, as on an io_context (made
+// at the first async_resolve); its completion comes back to the loop.
+TEST_CASE("shuttle::asio::context: async_resolve completes on the loop's thread") {
+  const std::size_t before = thread_count();
+  shuttle::io_context loop;
+  sa::context ctx(loop);
+  net::ip::tcp::resolver resolver(ctx);
+  CHECK(thread_count() == before);
+  std::optional<error_code> got;
+  std::thread::id ran_on;
+  resolver.async_resolve("localhost", "7", [&](error_code ec, net::ip::tcp::resolver::results_type r) {
+    got = ec;
+    ran_on = std::this_thread::get_id();
+    CHECK(r.size() > 0);
+  });
+  ctx.run();
+  REQUIRE(got.has_value());
+  CHECK_MESSAGE(!*got, got->message());
+  CHECK(ran_on == std::this_thread::get_id());
+  CHECK(thread_count() <= before + 1);  // the resolver's own, as on an io_context
+}
+
+// A context whose Asio objects are only shuttle operations never starts
+// Asio's reactor: no epoll, no extra descriptors.
+TEST_CASE("shuttle::asio::context: without I/O objects the reactor is not started") {
+  shuttle::io_context loop;
+  sa::context ctx(loop);
+  net::co_spawn(ctx.get_executor(), []() -> net::awaitable<void> {
+    co_await sa::async_wait_for(1ms, net::use_awaitable);
+  }, net::detached);
+  ctx.run();
+  CHECK(!net::has_service<net::detail::epoll_reactor>(ctx));
 }

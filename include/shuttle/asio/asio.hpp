@@ -9,6 +9,8 @@
 //  - awaitable.hpp: awaitable<T> and use_awaitable typed on that executor
 //    (cheaper per operation than asio::awaitable's any_io_executor);
 //  - asio_driver.hpp: an asio::io_context driven from the shuttle loop;
+//  - pool.hpp: one io_context run by every loop of a shuttle::runtime;
+//  - scheduler_driver.hpp (internal): Asio's scheduler polled from the loop;
 //  - recycling.hpp (internal): operation memory (associated allocators, a
 //    per-thread cache, Asio's own per-thread cache on shuttle's loop).
 //  - sqe_op.hpp (internal): the single-submission operations (read_some,
@@ -27,3 +29,4 @@
 #include <shuttle/asio/transport.hpp>
 #include <shuttle/asio/use_task.hpp>
 #include <shuttle/asio/asio_driver.hpp>
+#include <shuttle/asio/pool.hpp>

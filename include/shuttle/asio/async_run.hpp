@@ -70,6 +70,8 @@
 #include <boost/asio/associated_executor.hpp>
 #include <boost/asio/async_result.hpp>
 #include <boost/asio/dispatch.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/prefer.hpp>
 #include <boost/asio/post.hpp>
 #if SHUTTLE_ASIO_HAS_CANCELLATION_SLOTS
 #  include <boost/asio/associated_cancellation_slot.hpp>
@@ -213,6 +215,50 @@ void deliver(bound_completion<Handler, Args...>&& call, shuttle::io_context& loo
   if (kick) *driver_kick = true;
 }
 
+// Work on the handler's executor while the operation is pending, as Asio's
+// handler_work does for its own operations: an io_context (driven or not),
+// or a strand on one, does not run out of work, and stop, under a pending
+// shuttle operation whose handler it will run. Not taken for a handler that
+// runs on this loop's shuttle executor (direct): its coroutine or guard
+// counts there, and the common path stays free of it.
+template <class Ex>
+auto tracked_work(const Ex& ex) {
+  if constexpr (net::execution::is_executor<Ex>::value)
+    return net::prefer(ex, net::execution::outstanding_work.tracked);
+  else
+    return net::make_work_guard(ex);  // a Networking TS executor
+}
+template <class Handler>
+class pending_work {
+ public:
+  using executor_type = net::associated_executor_t<Handler, executor>;
+  pending_work(const Handler& h, shuttle::io_context& loop, bool direct) {
+    if (!direct) {
+      ::new (static_cast<void*>(buf_)) work_type(tracked_work(net::get_associated_executor(h, executor(loop, nullptr))));
+      has_ = true;
+    }
+  }
+  // Moves leave the source empty (not a moved-from executor to destroy).
+  pending_work(pending_work&& o) noexcept : has_(o.has_) {
+    if (has_) {
+      ::new (static_cast<void*>(buf_)) work_type(std::move(*o.get()));
+      o.reset();
+    }
+  }
+  pending_work& operator=(pending_work&&) = delete;
+  ~pending_work() { reset(); }
+
+ private:
+  using work_type = decltype(tracked_work(std::declval<const executor_type&>()));
+  work_type* get() noexcept { return std::launder(reinterpret_cast<work_type*>(buf_)); }
+  void reset() noexcept {
+    if (has_) get()->~work_type();
+    has_ = false;
+  }
+  alignas(work_type) unsigned char buf_[sizeof(work_type)];
+  bool has_ = false;
+};
+
 // Detects completion inside the initiating call: the frame holds a pointer to
 // the launcher's flag, which the launcher clears once start() returned.
 struct launch {
@@ -251,6 +297,7 @@ struct op_state {
   bool posted = false;
   std::optional<std::tuple<Args...>> args;
   std::unique_ptr<stop_forwarder> forward;
+  pending_work<Handler> work;
 
   // The frame is allocated with the handler's associated allocator.
   using allocator_type = net::associated_allocator_t<Handler>;
@@ -266,6 +313,7 @@ struct op_state {
     bound_completion<Handler, Args...> call{std::move(st.handler), std::move(*st.args)};
     shuttle::io_context* loop = st.loop;
     const bool direct = st.direct, posted = st.posted;
+    auto work = std::move(st.work);  // until the handler is queued or run
     h.destroy();  // Asio's rule: the operation's memory is freed before the upcall
     deliver(std::move(call), *loop, direct, posted);
   }
@@ -372,8 +420,10 @@ struct initiate_run {
     const bool direct = shuttle_loop_of(net::get_associated_executor(handler, executor(*loop, nullptr))) == loop;
     const bool here = loop->running_in_this_thread();
     launch l;
+    pending_work<std::decay_t<Handler>> work(handler, *loop, direct);
     op_coro op = run_op<Factory, State>(
-        State{std::forward<Handler>(handler), loop, here ? &l : nullptr, direct, false, std::nullopt, std::move(forward)},
+        State{std::forward<Handler>(handler), loop, here ? &l : nullptr, direct, false, std::nullopt,
+              std::move(forward), std::move(work)},
         std::move(factory));
     op.promise().stop = std::move(stop);
     if (here) {

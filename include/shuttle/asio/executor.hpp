@@ -27,21 +27,31 @@
 // loop.stop(), and shuttle tasks go on.
 //
 // Asio I/O objects (asio::ip::tcp::socket, steady_timer, resolver,
-// signal_set) need Asio's reactor, i.e. an asio::io_context: drive one from
-// the shuttle loop with shuttle::asio::asio_driver (asio_driver.hpp). On this
-// context they are refused at compile time (Asio would otherwise start a
-// hidden scheduler thread and complete every operation across threads);
-// shuttle's own operations (ops.hpp, sqe_op.hpp, transport.hpp) take their
-// place.
+// signal_set) work on this context and run on the loop's thread: no Asio
+// thread is started. The context makes Asio's scheduler service itself,
+// without the private thread Asio gives a scheduler that no io_context runs,
+// and drives it from the loop as asio_driver drives an io_context
+// (scheduler_driver.hpp: Asio's epoll fd watched by the loop's ring). Until
+// an I/O object starts its first operation that is a counter check on some
+// of the loop's turns (no reactor, no epoll fd). Their
+// handlers run through this executor, their pending operations count as
+// work. The resolver keeps its own thread for getaddrinfo, as it does on an
+// io_context; its completions come back to the loop's thread. Create I/O
+// objects on the loop's thread (the driver notices the first operation
+// there, at the latest before the loop sleeps). shuttle's own operations
+// (ops.hpp, sqe_op.hpp, transport.hpp) remain the cheaper path: completed
+// straight from the ring, no epoll.
 #pragma once
 
 #include <shuttle/asio/config.hpp>
 #include <shuttle/asio/recycling.hpp>
+#include <shuttle/asio/scheduler_driver.hpp>
 
 #include <atomic>
 #include <coroutine>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <type_traits>
 
 #include <boost/asio/execution.hpp>
@@ -54,10 +64,6 @@
 namespace shuttle::asio {
 
 namespace detail {
-
-// Set by asio_driver (asio_driver.hpp) on its loop's thread: operations that
-// hand a handler to some other executor raise it so the driver polls Asio.
-inline thread_local bool* driver_kick = nullptr;
 
 // A function run on a later turn of the loop (same thread), as a detached
 // coroutine whose frame is recycled (recycling.hpp): no allocation in the
@@ -212,8 +218,15 @@ inline constexpr bool is_basic_executor_v<basic_executor<N, T>> = true;
 class context : public net::execution_context {
  public:
   using executor_type = executor;
-  explicit context(shuttle::io_context& loop) noexcept : loop_(loop) {}
+  explicit context(shuttle::io_context& loop)
+      : loop_(loop), sched_(net::make_service<net::detail::scheduler>(*this, 0, false)) {
+    // Asio's own thread for such a scheduler would hold this one unit of
+    // work (it never stops by itself); this context counts Asio's work.
+    sched_.work_started();
+    io_driver_.emplace(loop, *this, sched_, 1);
+  }
   ~context() {
+    io_driver_.reset();  // off the loop before Asio's services go
     shutdown();
     destroy();
   }
@@ -269,6 +282,8 @@ class context : public net::execution_context {
   }
 
   shuttle::io_context& loop_;
+  net::detail::scheduler& sched_;  // for Asio's I/O objects, driven by io_driver_
+  std::optional<detail::scheduler_driver> io_driver_;
   std::atomic<std::size_t> work_{0};
   std::atomic<bool> stopped_{false};
   std::coroutine_handle<> waiter_{};

@@ -125,9 +125,11 @@ struct sqe_op final : shuttle::detail::io_op, std::conditional_t<Slotted, sqe_ca
   shuttle::io_context* loop;
   int res = 0;
   bool direct;  // the handler's executor is this loop's shuttle executor
+  pending_work<Handler> work;
 
   template <class H>
-  sqe_op(H&& h, const Sqe& s, shuttle::io_context* l, bool d) : handler(std::forward<H>(h)), sqe(s), loop(l), direct(d) {}
+  sqe_op(H&& h, const Sqe& s, shuttle::io_context* l, bool d)
+      : handler(std::forward<H>(h)), sqe(s), loop(l), direct(d), work(handler, *l, d) {}
 
   static void on_complete(shuttle::detail::io_op* o, int res, std::uint32_t) noexcept {
     auto* self = static_cast<sqe_op*>(o);
@@ -172,6 +174,7 @@ struct sqe_op final : shuttle::detail::io_op, std::conditional_t<Slotted, sqe_ca
     bound_completion<Handler, Args...> call{std::move(handler), std::move(args), false};
     shuttle::io_context& l = *loop;
     const bool d = direct;
+    auto w = std::move(work);  // until the handler is queued or run
     this->~sqe_op();
     free_frame(this, sizeof(sqe_op));  // Asio's rule: the operation's memory is freed before the upcall
     deliver(std::move(call), l, d, posted);
