@@ -54,7 +54,8 @@ run_suites build-asan --no-suite fuzz
 if boost181=$(bash tools/boost-alt.sh 1.81); then
   setup build-asio181 --native-file "$boost181" --buildtype=debug -Db_sanitize=address,undefined -Db_lundef=false \
     -Dbench=false
-  ninja -C build-asio181 -j "$jobs" tests/asio/test_asio_tokens tests/asio/test_asio_pipeline tests/asio/test_asio_driver
+  ninja -C build-asio181 -j "$jobs" tests/asio/test_asio_tokens tests/asio/test_asio_pipeline tests/asio/test_asio_driver \
+    tests/asio/test_asio_pool
   run_suites build-asio181 --no-rebuild --suite asio
 else
   echo "run-tests: Boost 1.81 unavailable (tools/boost-alt.sh failed): asio suite not run against it"
@@ -69,7 +70,8 @@ run_suites build-fuzz --no-rebuild --suite fuzz
 
 # TSan: only the targets of the multi-threaded suite are built.
 CC=clang CXX=clang++ setup build-tsan --buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dbench=false
-ninja -C build-tsan -j "$jobs" tests/test_runtime tests/asio/test_asio_tokens tests/asio/test_asio_driver
+ninja -C build-tsan -j "$jobs" tests/test_runtime tests/asio/test_asio_tokens tests/asio/test_asio_driver \
+  tests/asio/test_asio_pool
 TSAN_OPTIONS=halt_on_error=1 run_suites build-tsan --no-rebuild --suite threads
 
 if [ $status -eq 0 ]; then echo "run-tests: all suites passed"; exit 0; fi
