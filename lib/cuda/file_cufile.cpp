@@ -144,7 +144,7 @@ std::error_code bytes_error(ssize_t n) {
   return errno_code(static_cast<int>(-n));
 }
 
-constexpr std::size_t op_bytes = std::size_t{64} << 20;  // per enqueued operation: the granularity of a stop
+constexpr std::size_t op_bytes = std::size_t{16} << 20;  // per enqueued operation: the granularity of a stop
 constexpr unsigned window = 4;                          // operations enqueued ahead
 
 struct op_slot {
