@@ -1,10 +1,12 @@
 // shuttle-info: RDMA devices, ports and GIDs; GPUs with their PCIe and NUMA
-// placement; which GPU registration path works on this host.
+// placement; which GPU registration path works on this host; which file
+// engine gpu_file uses here (SHUTTLE_FILE_ENGINE, cuFile's state).
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 #include <shuttle/verbs/verbs.hpp>
 #ifdef SHUTTLE_HAVE_CUDA
 #include <shuttle/cuda/cuda.hpp>
+#include <shuttle/cuda/gpu_file.hpp>
 #include <shuttle/cuda/gpu_memory.hpp>
 #endif
 
@@ -73,6 +75,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  std::printf("  %s\n", cuda::describe_file_engines().c_str());
 #else
   std::printf("GPUs: shuttle built without CUDA\n");
 #endif

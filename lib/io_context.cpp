@@ -5,6 +5,7 @@
 
 #include <sys/eventfd.h>
 #include <sys/resource.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -100,6 +101,7 @@ io_context::~io_context() {
   }
   if (current_context == this) current_context = nullptr;
   if (files_) files_->owner = nullptr;  // sockets still registered only close their fds now
+  if (buffers_) buffers_->owner = nullptr;
   io_uring_queue_exit(&ring_);  // cancels what is still in flight; drops the file table
   ::close(wake_fd_);
   while (orphans_) {
@@ -226,6 +228,38 @@ void io_context::unregister_file(detail::registered_file& f) noexcept {
   free_slots_.push_back(f.slot);
   f.slot = -1;
   f.table.reset();
+}
+
+result<detail::registered_buffer> io_context::register_buffer(std::span<std::byte> buf) {
+  if (buf.empty() || buf.size() > (std::size_t{1} << 30)) return errno_code(EINVAL);
+  if (!buffers_) {
+    if (opts_.registered_buffers == 0) return errno_code(ENFILE);
+    int r = io_uring_register_buffers_sparse(&ring_, opts_.registered_buffers);
+    if (r < 0) return errno_code(-r);
+    buffers_ = std::make_shared<detail::buffer_table>();
+    buffers_->owner = this;
+    for (unsigned i = opts_.registered_buffers; i-- > 0;) free_buffer_slots_.push_back(static_cast<int>(i));
+  }
+  if (free_buffer_slots_.empty()) return errno_code(ENFILE);
+  int slot = free_buffer_slots_.back();
+  iovec iov{buf.data(), buf.size()};
+  __u64 tag = 0;
+  int r = io_uring_register_buffers_update_tag(&ring_, static_cast<unsigned>(slot), &iov, &tag, 1);
+  if (r < 0) return errno_code(-r);
+  if (r != 1) return errno_code(EFAULT);
+  free_buffer_slots_.pop_back();
+  return detail::registered_buffer{buffers_, slot, buf.data(), buf.size()};
+}
+
+void io_context::unregister_buffer(detail::registered_buffer& b) noexcept {
+  if (!b.usable_on(*this)) return;
+  iovec none{nullptr, 0};
+  __u64 tag = 0;
+  // Fails only if the table is gone, which the owner check rules out.
+  (void)io_uring_register_buffers_update_tag(&ring_, static_cast<unsigned>(b.index), &none, &tag, 1);
+  free_buffer_slots_.push_back(b.index);
+  b.index = -1;
+  b.table.reset();
 }
 
 void io_context::adopt_orphan(detail::orphan_op* op) noexcept {

@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <stop_token>
 #include <thread>
 #include <vector>
@@ -26,6 +27,7 @@
 
 #include <shuttle/detail/driver.hpp>
 #include <shuttle/detail/io_op.hpp>
+#include <shuttle/detail/registered_buffer.hpp>
 #include <shuttle/detail/registered_file.hpp>
 #include <shuttle/poller.hpp>
 #include <shuttle/result.hpp>
@@ -50,6 +52,9 @@ class io_context {
     // register_file() and capped by RLIMIT_NOFILE. 0: none (register_file
     // fails with ENFILE).
     unsigned registered_files = 4096;
+    // Slots in the ring's registered-buffer table, made on the first
+    // register_buffer(). 0: none (register_buffer fails with ENFILE).
+    unsigned registered_buffers = 64;
   };
 
   io_context();
@@ -106,6 +111,18 @@ class io_context {
   result<detail::registered_file> register_file(int fd);
   // Loop thread only: empties the slot (the file's last reference may go).
   void unregister_file(detail::registered_file& f) noexcept;
+
+  // Loop thread only. Registers `buf` as a fixed buffer of the ring (the
+  // kernel pins its pages, counted against RLIMIT_MEMLOCK without
+  // CAP_IPC_LOCK); reads and writes that name its index
+  // (io_uring_prep_read_fixed) must stay inside it. Errors: EINVAL for an
+  // empty buffer or one over 1 GiB; ENFILE when the table is full; the
+  // kernel's (ENOMEM past the memlock limit, EFAULT for memory it cannot
+  // pin, EOPNOTSUPP/EINVAL before 5.19's sparse tables).
+  result<detail::registered_buffer> register_buffer(std::span<std::byte> buf);
+  // Loop thread only: empties the slot (a buffer of another or a dead
+  // context is left alone).
+  void unregister_buffer(detail::registered_buffer& b) noexcept;
 
   // Loop thread only. Work that must end before this context goes, such
   // as a provider's wind-down (a dropped connection's loops, a listener's
@@ -173,6 +190,8 @@ class io_context {
   std::vector<poller*> spin_pollers_;  // those of pollers_ that busy_poll(): the spin policy's
   std::shared_ptr<detail::file_table> files_;  // made by the first register_file
   std::vector<int> free_slots_;
+  std::shared_ptr<detail::buffer_table> buffers_;  // made by the first register_buffer
+  std::vector<int> free_buffer_slots_;
   detail::orphan_op* orphans_ = nullptr;
   std::size_t holds_ = 0;
   bool released_ = false;  // holds_ went back to 0 (what ~io_context runs the loop until)

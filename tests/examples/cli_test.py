@@ -27,6 +27,7 @@ BAD_VALUES = {
     "shuttle-transfer": (["--chunk-size", "12q"], "12q"),
     "stream_pipeline": (["--batch", "0"], "--batch"),
     "shuttle-gpu-pipeline": (["0"], "'0'"),
+    "shuttle-weights-push": (["--piece-mib", "0"], "--piece-mib"),
 }
 
 failures = []
