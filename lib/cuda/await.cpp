@@ -255,7 +255,7 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
       wait_node* n = ready;
       ready = n->ready_next;
       n->stop_cb.reset();  // waits for a callback running on another thread
-      if (n->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) n->waiter.resume();
+      if (n->unref()) n->waiter.resume();
     }
     return true;
   }
@@ -431,30 +431,20 @@ bool park(wait_node& n, std::coroutine_handle<> h, std::stop_token token) {
   return true;
 }
 
-void wait_node::cancel_callback::operator()() const noexcept {
-  wait_node* n = self;
-  if (n->ctx->running_in_this_thread()) {
-    if (n->poller) {
-      n->poller->unlink(*n, false);
-      n->cancelled = true;
-      ++tl_stats.cancelled;
-      if (n->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) n->ctx->post(n->waiter);
-    }
-    return;
-  }
-  n->refs.fetch_add(1, std::memory_order_relaxed);
-  n->run = [](shuttle::detail::remote_op* r) noexcept {
-    auto* n = static_cast<wait_node*>(r);
-    if (n->poller) {
-      n->poller->unlink(*n, false);
-      n->cancelled = true;
-      ++tl_stats.cancelled;
-      n->refs.fetch_sub(1, std::memory_order_relaxed);  // the queue's reference
-    }
-    if (n->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) n->ctx->post(n->waiter);
-  };
-  n->ctx->post_remote(n);
+void wait_node::release() noexcept {
+  if (unref()) ctx->post(waiter);
 }
+
+void wait_node::cancel_here() noexcept {
+  if (poller) {
+    poller->unlink(*this, false);
+    cancelled = true;
+    ++tl_stats.cancelled;
+    release();  // the poller's reference
+  }
+}
+
+void wait_node::cancel_callback::operator()() const noexcept { self->request_cancel(*self->ctx); }
 
 }  // namespace detail
 }  // namespace shuttle::cuda
