@@ -5,7 +5,8 @@
 // threads.
 //
 // Submissions are batched: operations fill SQEs while the loop runs ready
-// coroutines, and one io_uring_enter submits them and waits.
+// coroutines, and one io_uring_enter submits them and waits. One turn of the
+// loop, and the two ways a coroutine is resumed: docs/architecture.md.
 #pragma once
 
 #include <atomic>
