@@ -157,16 +157,16 @@ class asio_driver final : public shuttle::poller {
  public:
   asio_driver(shuttle::io_context& loop, net::io_context& actx)
       : loop_(loop), actx_(actx), epoll_fd_(detail::asio_epoll_fd(actx)), sched_(actx) {
-    loop_.add_poller(*this);
+    loop_.backend().add_poller(*this);
     previous_kick_ = std::exchange(detail::driver_kick, &kick_);
   }
   ~asio_driver() override {
     if (sleeping_) sched_.leave_sleep();
     detail::driver_kick = previous_kick_;
-    loop_.remove_poller(*this);
+    loop_.backend().remove_poller(*this);
     if (op_) {
       op_->owner = nullptr;  // freed at its CQE, or by the loop's end
-      loop_.submit_cancel(op_);
+      loop_.backend().submit_cancel(op_);
     }
     // Waiters never resumed: their tasks are owned by whoever awaits them.
   }
@@ -269,8 +269,8 @@ class asio_driver final : public shuttle::poller {
     op->owner = this;
     op->loop = &loop_;
     op->complete = &on_ready;
-    loop_.adopt_orphan(op);
-    io_uring_sqe* sqe = loop_.get_sqe();
+    loop_.backend().adopt_orphan(op);
+    io_uring_sqe* sqe = loop_.backend().get_sqe();
     io_uring_prep_poll_add(sqe, epoll_fd_, POLLIN);
     io_uring_sqe_set_data(sqe, static_cast<shuttle::detail::io_op*>(op));
     op_ = op;
@@ -282,7 +282,7 @@ class asio_driver final : public shuttle::poller {
       op->owner->op_ = nullptr;
       op->owner->ready_ = true;
     }
-    op->loop->forget_orphan(op);
+    op->loop->backend().forget_orphan(op);
     delete op;
   }
 

@@ -33,7 +33,7 @@ class uring_op_base : protected io_op, protected loop_cancel<uring_op_base> {
       res_ = -ECANCELED;
       return false;
     }
-    io_uring_sqe* sqe = ctx_->get_sqe();
+    io_uring_sqe* sqe = ctx_->backend().get_sqe();
     prep(sqe);
     io_uring_sqe_set_data(sqe, static_cast<io_op*>(this));
     io_op::complete = &on_complete;
@@ -55,7 +55,7 @@ class uring_op_base : protected io_op, protected loop_cancel<uring_op_base> {
 
   // On the loop (loop_cancel): the kernel may still hold the operation.
   void cancel_here() noexcept {
-    if (!done_) ctx_->submit_cancel(this);
+    if (!done_) ctx_->backend().submit_cancel(this);
   }
 
   static void on_complete(io_op* op, int res, std::uint32_t flags) noexcept {
