@@ -109,9 +109,9 @@ int main(int argc, char** argv) {
     ctx.set_ring_spin_budget(std::chrono::seconds(1));
     ring_spin.push_back(ctx.run(shuttle_nop(n)));
     ctx.set_ring_spin_budget(std::chrono::nanoseconds(0));
-    ctx.add_poller(busy);
+    ctx.backend().add_poller(busy);
     poller_spin.push_back(ctx.run(shuttle_nop(n)));
-    ctx.remove_poller(busy);
+    ctx.backend().remove_poller(busy);
   }
   double mr = median(raw), ms = median(sh), mc = median(co);
   double mring = median(ring_spin), mpoll = median(poller_spin);

@@ -68,6 +68,7 @@ io_context::io_context(options opts) : thread_(std::this_thread::get_id()), opts
     throw_errno(e, "eventfd");
   }
   wake_op_.complete = &on_wakeup;
+  wake_op_.owner = this;
   arm_wakeup();
   current_context = this;
 }
@@ -123,7 +124,7 @@ bool io_context::running_in_this_thread() const noexcept {
   return std::this_thread::get_id() == thread_;
 }
 
-io_uring_sqe* io_context::get_sqe() {
+io_uring_sqe* detail::uring_backend::get_sqe() {
   io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
   if (!sqe) {
     int r = io_uring_submit(&ring_);
@@ -135,7 +136,7 @@ io_uring_sqe* io_context::get_sqe() {
   return sqe;
 }
 
-void io_context::submit_cancel(const detail::io_op* target) {
+void detail::uring_backend::submit_cancel(const detail::io_op* target) {
   io_uring_sqe* sqe = get_sqe();
   io_uring_prep_cancel64(sqe, reinterpret_cast<std::uint64_t>(target), 0);
   io_uring_sqe_set_data64(sqe, 0);  // its own completion is ignored
@@ -189,12 +190,11 @@ void io_context::wake() noexcept {
 void io_context::arm_wakeup() {
   io_uring_sqe* sqe = get_sqe();
   io_uring_prep_read(sqe, wake_fd_, &wake_buf_, sizeof wake_buf_, 0);
-  io_uring_sqe_set_data(sqe, &wake_op_);
+  io_uring_sqe_set_data(sqe, static_cast<detail::io_op*>(&wake_op_));
 }
 
 void io_context::on_wakeup(detail::io_op* op, int, std::uint32_t) noexcept {
-  auto* self = reinterpret_cast<io_context*>(reinterpret_cast<char*>(op) - offsetof(io_context, wake_op_));
-  self->arm_wakeup();
+  static_cast<wake_op*>(op)->owner->arm_wakeup();
 }
 
 result<detail::registered_file> io_context::register_file(int fd) {
@@ -262,14 +262,14 @@ void io_context::unregister_buffer(detail::registered_buffer& b) noexcept {
   b.table.reset();
 }
 
-void io_context::adopt_orphan(detail::orphan_op* op) noexcept {
+void detail::uring_backend::adopt_orphan(detail::orphan_op* op) noexcept {
   op->orphan_prev = nullptr;
   op->orphan_next = orphans_;
   if (orphans_) orphans_->orphan_prev = op;
   orphans_ = op;
 }
 
-void io_context::forget_orphan(detail::orphan_op* op) noexcept {
+void detail::uring_backend::forget_orphan(detail::orphan_op* op) noexcept {
   if (op->orphan_prev)
     op->orphan_prev->orphan_next = op->orphan_next;
   else
@@ -278,7 +278,7 @@ void io_context::forget_orphan(detail::orphan_op* op) noexcept {
   op->orphan_prev = op->orphan_next = nullptr;
 }
 
-void io_context::add_poller(poller& p) {
+void detail::uring_backend::add_poller(poller& p) {
   pollers_.push_back(&p);
   if (p.busy_poll()) {
     try {
@@ -290,7 +290,7 @@ void io_context::add_poller(poller& p) {
   }
 }
 
-void io_context::remove_poller(poller& p) noexcept {
+void detail::uring_backend::remove_poller(poller& p) noexcept {
   pollers_.erase(std::remove(pollers_.begin(), pollers_.end(), &p), pollers_.end());
   spin_pollers_.erase(std::remove(spin_pollers_.begin(), spin_pollers_.end(), &p), spin_pollers_.end());
 }

@@ -57,7 +57,7 @@ buffer_ring::buffer_ring(io_context& ctx, unsigned count, std::size_t buffer_siz
   reg.ring_addr = reinterpret_cast<std::uint64_t>(ring_);
   reg.ring_entries = count;
   reg.bgid = group_;
-  if (int r = io_uring_register_buf_ring(ctx_.ring(), &reg, 0); r < 0) {
+  if (int r = io_uring_register_buf_ring(ctx_.backend().ring(), &reg, 0); r < 0) {
     ::munmap(ring_, ring_bytes_);
     throw_errno(-r, "io_uring_register_buf_ring (kernel 5.19+)");
   }
@@ -70,7 +70,7 @@ buffer_ring::buffer_ring(io_context& ctx, unsigned count, std::size_t buffer_siz
 
 buffer_ring::~buffer_ring() {
   for (auto* c : clients_) c->ring_destroyed();
-  io_uring_unregister_buf_ring(ctx_.ring(), group_);
+  io_uring_unregister_buf_ring(ctx_.backend().ring(), group_);
   ::munmap(ring_, ring_bytes_);
 }
 
@@ -191,7 +191,7 @@ struct receive_stream::state : detail::orphan_op, buffer_ring::client {
 
   // `n` > 1: a multishot request for up to n buffers; else a single recv.
   void arm(unsigned n) {
-    io_uring_sqe* sqe = ctx->get_sqe();
+    io_uring_sqe* sqe = ctx->backend().get_sqe();
     multishot = n > 1;
     if (multishot) {
       io_uring_prep_recv_multishot(sqe, file.fd, nullptr, 0, 0);
@@ -245,7 +245,7 @@ struct receive_stream::state : detail::orphan_op, buffer_ring::client {
     if (s->closed) {
       if (id != ~0u && s->ring) s->ring->recycle(id);
       if (!s->armed) {
-        s->ctx->forget_orphan(s);
+        s->ctx->backend().forget_orphan(s);
         delete s;
       }
       return;
@@ -275,7 +275,7 @@ struct receive_stream::state : detail::orphan_op, buffer_ring::client {
     if (s->armed && !s->disarming && s->promised == 0) {
       // The promise is used up: stop taking the shared ring's buffers.
       try {
-        s->ctx->submit_cancel(s);
+        s->ctx->backend().submit_cancel(s);
         s->disarming = true;
       } catch (...) {
         // No SQE now: the next arrival tries again.
@@ -322,9 +322,9 @@ receive_stream::~receive_stream() {
   s->arrivals.clear();
   s->queued_buffers = 0;
   if (s->armed) {
-    s->ctx->adopt_orphan(s);
+    s->ctx->backend().adopt_orphan(s);
     try {
-      s->ctx->submit_cancel(s);
+      s->ctx->backend().submit_cancel(s);
     } catch (...) {
     }
   } else {

@@ -301,7 +301,7 @@ struct tcp_listener::state : detail::orphan_op {
   detail::wait_list waiters;
 
   void arm() {
-    io_uring_sqe* sqe = ctx->get_sqe();
+    io_uring_sqe* sqe = ctx->backend().get_sqe();
     io_uring_prep_multishot_accept(sqe, fd, nullptr, nullptr, SOCK_CLOEXEC);
     io_uring_sqe_set_data(sqe, static_cast<detail::io_op*>(this));
     complete = &on_accept;
@@ -314,7 +314,7 @@ struct tcp_listener::state : detail::orphan_op {
     if (s->closed) {
       if (res >= 0) ::close(res);
       if (!s->armed) {
-        s->ctx->forget_orphan(s);
+        s->ctx->backend().forget_orphan(s);
         delete s;
       }
       return;
@@ -394,9 +394,9 @@ void tcp_listener::close() noexcept {
   }
   ::close(s->fd);
   if (s->armed) {
-    s->ctx->adopt_orphan(s);  // the final CQE, or the context's end, frees it
+    s->ctx->backend().adopt_orphan(s);  // the final CQE, or the context's end, frees it
     try {
-      s->ctx->submit_cancel(s);
+      s->ctx->backend().submit_cancel(s);
     } catch (...) {
       // Ring full: the accept ends when the fd's last reference goes.
     }

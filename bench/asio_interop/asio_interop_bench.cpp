@@ -127,7 +127,7 @@ struct floor_initiate {
     using op = floor_op<std::decay_t<Handler>>;
     auto* o = ::new (sa::detail::allocate_frame(sizeof(op), h)) op(std::forward<Handler>(h));
     o->complete = &op::done;
-    io_uring_sqe* sqe = shuttle::io_context::current().get_sqe();
+    io_uring_sqe* sqe = shuttle::io_context::current().backend().get_sqe();
     io_uring_prep_send(sqe, fd, nullptr, 0, MSG_NOSIGNAL);
     io_uring_sqe_set_data(sqe, static_cast<shuttle::detail::io_op*>(o));
   }

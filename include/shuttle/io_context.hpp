@@ -5,7 +5,8 @@
 // threads.
 //
 // Submissions are batched: operations fill SQEs while the loop runs ready
-// coroutines, and one io_uring_enter submits them and waits.
+// coroutines, and one io_uring_enter submits them and waits. One turn of the
+// loop, and the two ways a coroutine is resumed: docs/architecture.md.
 #pragma once
 
 #include <atomic>
@@ -29,13 +30,14 @@
 #include <shuttle/detail/io_op.hpp>
 #include <shuttle/detail/registered_buffer.hpp>
 #include <shuttle/detail/registered_file.hpp>
+#include <shuttle/detail/uring_backend.hpp>
 #include <shuttle/poller.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/task.hpp>
 
 namespace shuttle {
 
-class io_context {
+class io_context : private detail::uring_backend {
  public:
   struct options {
     unsigned sq_entries = 1024;  // CQ is four times larger
@@ -98,11 +100,18 @@ class io_context {
   // coroutine that hops threads would see the old one (clang 14 does).
   bool running_in_this_thread() const noexcept;
 
-  // For operations: a free SQE (flushes the ring when the SQ is full).
-  io_uring_sqe* get_sqe();
-  // Asks the kernel to cancel the submission whose user_data is `target`.
-  void submit_cancel(const detail::io_op* target);
-  io_uring* ring() noexcept { return &ring_; }
+  // The calls for code that builds operations and completion sources on
+  // this loop (SQEs, cancellation, the ring, orphans, pollers):
+  // detail/uring_backend.hpp.
+  detail::uring_backend& backend() noexcept { return *this; }
+  // lib/verbs still calls these on the context; they go once it calls
+  // backend() too (issue 28, point 4).
+  using detail::uring_backend::add_poller;
+  using detail::uring_backend::adopt_orphan;
+  using detail::uring_backend::forget_orphan;
+  using detail::uring_backend::get_sqe;
+  using detail::uring_backend::remove_poller;
+  using detail::uring_backend::submit_cancel;
 
   // Loop thread only. Puts `fd` in a free slot of the ring's file table
   // (tcp_socket::register_file uses it); the slot holds a reference to the
@@ -136,16 +145,9 @@ class io_context {
   }
   std::size_t holds() const noexcept { return holds_; }
 
-  // Keeps `op` until forget_orphan (its last CQE) or the context's end.
-  void adopt_orphan(detail::orphan_op* op) noexcept;
-  void forget_orphan(detail::orphan_op* op) noexcept;
-
   // Loop thread only: changes options::ring_spin_budget.
   void set_ring_spin_budget(std::chrono::nanoseconds budget) noexcept { opts_.ring_spin_budget = budget; }
   std::chrono::nanoseconds ring_spin_budget() const noexcept { return opts_.ring_spin_budget; }
-
-  void add_poller(poller& p);
-  void remove_poller(poller& p) noexcept;
 
   // Statistics, for tests and benchmarks.
   std::uint64_t submitted_sqes() const noexcept { return sqes_; }
@@ -171,7 +173,6 @@ class io_context {
   void wake() noexcept;
   static void on_wakeup(detail::io_op* op, int res, std::uint32_t flags) noexcept;
 
-  io_uring ring_{};
   std::thread::id thread_;
   options opts_;
   std::deque<std::coroutine_handle<>> ready_;
@@ -184,18 +185,17 @@ class io_context {
 
   int wake_fd_ = -1;
   std::uint64_t wake_buf_ = 0;
-  detail::io_op wake_op_{};
+  struct wake_op : detail::io_op {
+    io_context* owner = nullptr;
+  };
+  wake_op wake_op_{};
 
-  std::vector<poller*> pollers_;
-  std::vector<poller*> spin_pollers_;  // those of pollers_ that busy_poll(): the spin policy's
   std::shared_ptr<detail::file_table> files_;  // made by the first register_file
   std::vector<int> free_slots_;
   std::shared_ptr<detail::buffer_table> buffers_;  // made by the first register_buffer
   std::vector<int> free_buffer_slots_;
-  detail::orphan_op* orphans_ = nullptr;
   std::size_t holds_ = 0;
   bool released_ = false;  // holds_ went back to 0 (what ~io_context runs the loop until)
-  std::uint64_t sqes_ = 0;
   std::uint64_t sleeps_ = 0;
   // The kernel flags pending completion work in the ring (IORING_SQ_TASKRUN):
   // a busy turn enters the kernel only when there is something to do.

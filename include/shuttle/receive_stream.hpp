@@ -20,10 +20,8 @@
 // Sizing: a stream that keeps up is promised 2 buffers at a time, so a ring
 // of at least 2 x connections + count() / 8 lets every busy stream keep a
 // multishot request armed. A smaller ring still serves everyone, but the
-// streams it cannot promise receive one buffer per submission: with 1,024
-// busy connections and a ring of 1,024, the echo server made 8-21% fewer
-// round trips than when any stream could drain the ring; with 4,096 the
-// two tie (docs/measurements.md, 2026-12-05).
+// streams it cannot promise receive one buffer per submission, so busy
+// connections make fewer round trips (docs/measurements.md, 2026-12-05).
 //
 //   buffer_ring ring(ctx, 1024, 16384);           // per io_context
 //   receive_stream rx(sock, ring);

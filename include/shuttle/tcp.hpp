@@ -54,8 +54,8 @@ class tcp_socket {
   // Registers the socket in the calling thread's io_context (its ring's
   // file table, io_context::options::registered_files slots). Operations
   // that thread starts then name the slot (IOSQE_FIXED_FILE): the kernel
-  // skips a file lookup and a reference count per operation, about 4% of an
-  // echo server's CPU at 1024 connections. Operations started on other
+  // skips a file lookup and a reference count per operation (what that
+  // saves: docs/measurements.md). Operations started on other
   // threads use the fd, as before. Worth it for long-lived connections: it
   // costs a system call here and another in close(). Fails (and changes
   // nothing) when the table is full: ENFILE.

@@ -20,45 +20,23 @@
 // is never touched outside its registered regions.
 //
 // Cancellation (the awaiting task's stop token) is NIC-safe: a cancelled
-// operation resumes only when the provider guarantees that nothing will
-// touch its buffers any more. On verbs a work request already handed to the
-// NIC cannot be withdrawn alone, so cancelling one moves the connection to
-// the error state and waits for the flushed completion: the connection is
-// then unusable (errc::disconnected). An operation still waiting for a
-// send-queue slot or a credit is cancelled alone.
+// operation resumes only when nothing will touch its buffers any more. An
+// operation still waiting for a send-queue slot or a credit is cancelled
+// alone; one already handed to the NIC (verbs) or the socket (tcp) cannot be
+// withdrawn alone, so cancelling it fails the connection (errc::disconnected).
 //
-// Lifetimes. A domain belongs to the io_context of the thread that opened
-// it (domain::open outside one: errc::no_io_context). Its objects
-// (listeners, connections, memory_regions, messages, grants, prepared
-// operations) are used and destroyed on that thread, and before that
-// io_context; among themselves they may be destroyed at any time and in any
-// order, with no wait before or after (no sleep "to let the provider wind
-// down" is needed):
-//  - a connection's destructor aborts it and returns at once. Operations
-//    in flight on it complete with errc::disconnected, resuming on a later
-//    turn of the loop, and only once nothing touches their buffers (as
-//    cancellation; their awaiting coroutines must still run). The peer sees
-//    the connection fail. Unlike close(), nothing in flight is waited for:
-//    an inline send not yet on the wire may be dropped.
-//  - a listener's destructor closes it (close()): accept() calls waiting
-//    fail, handshakes in progress are dropped, connections established and
-//    not yet accepted are closed. Connections it accepted are independent of
-//    it and live on.
-//  - a domain's destructor drops the application's handle only: its
-//    connections, listeners and registrations keep working, and share the
-//    provider's state with it; that state (verbs: the protection domain and
-//    completion queue) goes with the last of them.
-//  - a memory_region, a message, a grant and a prepared_operation keep
-//    what they need alive (a message its receive buffer, a region its
-//    registration) and may outlive their connection and domain.
-// What the providers still do after a destructor returns (tcp: a dropped
-// connection's reader and writer, which close its socket; a listener's
-// handshakes in progress; verbs: a dropped QP's flushed work requests,
-// after which it is destroyed) runs on the loop, in the background, and
-// holds the io_context (io_context::hold): its destructor runs the loop
-// until that work has ended (a turn or a few; a tcp connection that
-// refused its peer's access may take the linger time, 2 s, to send its
-// NAK), so nothing of it outlives the loop.
+// Lifetimes. A domain belongs to the io_context of the thread that opened it
+// (domain::open outside one: errc::no_io_context). Its objects are used and
+// destroyed on that thread, before that io_context, and among themselves at
+// any time and in any order, with no wait: a connection's destructor aborts
+// it (operations in flight complete with errc::disconnected once their
+// buffers are safe), a listener's closes it, a domain's drops the handle
+// only, and regions, messages, grants and prepared operations keep alive what
+// they need. A provider's wind-down after a destructor runs on the loop and
+// holds the io_context (io_context::hold), whose destructor lets it finish.
+//
+// The whole contract, per operation, with the conformance tests that check
+// it: docs/transport-semantics.md.
 #pragma once
 
 #include <chrono>

@@ -101,9 +101,9 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
     io_op::complete = &on_fd;
     timer_.complete = &on_timer;
     timer_.self = this;
-    ctx_->adopt_orphan(this);
+    ctx_->backend().adopt_orphan(this);
     arm_read();
-    last_cq_tail_ = io_uring_smp_load_acquire(ctx_->ring()->cq.ktail);
+    last_cq_tail_ = io_uring_smp_load_acquire(ctx_->backend().ring()->cq.ktail);
     last_cq_change_ = clock::now();
   }
   ~wait_poller() override {
@@ -126,7 +126,7 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
     // A new wait is polled on every turn again, whether the poller was idle
     // or sleeping between timed polls.
     if (!registered_) {
-      ctx_->add_poller(*this);
+      ctx_->backend().add_poller(*this);
       registered_ = true;
     }
   }
@@ -255,7 +255,7 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
       wait_node* n = ready;
       ready = n->ready_next;
       n->stop_cb.reset();  // waits for a callback running on another thread
-      if (n->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) n->waiter.resume();
+      if (n->unref()) n->waiter.resume();
     }
     return true;
   }
@@ -264,7 +264,7 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
   // unsubmitted entries. With DEFER_TASKRUN completions appear only inside
   // io_uring_enter, so a busy ring shows as a moving CQ tail between polls.
   bool ring_quiet(clock::time_point now) noexcept {
-    io_uring* r = ctx_->ring();
+    io_uring* r = ctx_->backend().ring();
     unsigned t = io_uring_smp_load_acquire(r->cq.ktail);
     if (t != last_cq_tail_) {
       last_cq_tail_ = t;
@@ -281,7 +281,7 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
     if (timer_armed_ && !timer_cancel_sent_) {
       io_uring_sqe* sqe = nullptr;
       try {
-        sqe = ctx_->get_sqe();
+        sqe = ctx_->backend().get_sqe();
       } catch (...) {
         return;  // no SQE to be had: the timed poll fires once for nothing
       }
@@ -307,7 +307,7 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
     if (timer_armed_ && !timer_cancel_sent_) {
       if (timer_deadline_ <= deadline) return;  // an earlier timed poll is due anyway
       set_timespec(update_ts_, rel);
-      io_uring_sqe* sqe = ctx_->get_sqe();
+      io_uring_sqe* sqe = ctx_->backend().get_sqe();
       io_uring_prep_timeout_update(sqe, &update_ts_, reinterpret_cast<std::uint64_t>(static_cast<io_op*>(&timer_)),
                                    0);
       io_uring_sqe_set_data64(sqe, 0);  // -ENOENT if it fired meanwhile: its completion polls anyway
@@ -316,7 +316,7 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
     }
     if (timer_armed_) return;  // a withdrawn one is still to complete: on_timer arms the next
     set_timespec(timer_ts_, rel);
-    io_uring_sqe* sqe = ctx_->get_sqe();
+    io_uring_sqe* sqe = ctx_->backend().get_sqe();
     io_uring_prep_timeout(sqe, &timer_ts_, 0, 0);
     io_uring_sqe_set_data(sqe, static_cast<io_op*>(&timer_));
     timer_armed_ = true;
@@ -343,7 +343,7 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
         self->next_query_ = self->slice_end(now);
         self->arm_timer(now, self->next_query_);
       } catch (...) {
-        self->ctx_->add_poller(*self);  // no SQE to be had: poll on every turn instead of sleeping
+        self->ctx_->backend().add_poller(*self);  // no SQE to be had: poll on every turn instead of sleeping
         self->registered_ = true;
       }
     }
@@ -372,13 +372,13 @@ class wait_poller final : public shuttle::poller, public shuttle::detail::orphan
 
   void unregister() noexcept {
     if (registered_) {
-      ctx_->remove_poller(*this);
+      ctx_->backend().remove_poller(*this);
       registered_ = false;
     }
   }
 
   void arm_read() {
-    io_uring_sqe* sqe = ctx_->get_sqe();
+    io_uring_sqe* sqe = ctx_->backend().get_sqe();
     io_uring_prep_read(sqe, fd_->fd, &buf_, sizeof buf_, 0);
     io_uring_sqe_set_data(sqe, static_cast<io_op*>(this));
   }
@@ -431,30 +431,20 @@ bool park(wait_node& n, std::coroutine_handle<> h, std::stop_token token) {
   return true;
 }
 
-void wait_node::cancel_callback::operator()() const noexcept {
-  wait_node* n = self;
-  if (n->ctx->running_in_this_thread()) {
-    if (n->poller) {
-      n->poller->unlink(*n, false);
-      n->cancelled = true;
-      ++tl_stats.cancelled;
-      if (n->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) n->ctx->post(n->waiter);
-    }
-    return;
-  }
-  n->refs.fetch_add(1, std::memory_order_relaxed);
-  n->run = [](shuttle::detail::remote_op* r) noexcept {
-    auto* n = static_cast<wait_node*>(r);
-    if (n->poller) {
-      n->poller->unlink(*n, false);
-      n->cancelled = true;
-      ++tl_stats.cancelled;
-      n->refs.fetch_sub(1, std::memory_order_relaxed);  // the queue's reference
-    }
-    if (n->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) n->ctx->post(n->waiter);
-  };
-  n->ctx->post_remote(n);
+void wait_node::release() noexcept {
+  if (unref()) ctx->post(waiter);
 }
+
+void wait_node::cancel_here() noexcept {
+  if (poller) {
+    poller->unlink(*this, false);
+    cancelled = true;
+    ++tl_stats.cancelled;
+    release();  // the poller's reference
+  }
+}
+
+void wait_node::cancel_callback::operator()() const noexcept { self->request_cancel(*self->ctx); }
 
 }  // namespace detail
 }  // namespace shuttle::cuda

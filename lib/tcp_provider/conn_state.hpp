@@ -32,6 +32,7 @@
 
 #include <shuttle/channel.hpp>
 #include <shuttle/detail/driver.hpp>
+#include <shuttle/detail/loop_cancel.hpp>
 #include "../transport/provider.hpp"
 #include <shuttle/io_context.hpp>
 #include <shuttle/sync.hpp>
@@ -371,14 +372,7 @@ struct canceller {
   conn_state* s;
   std::uint64_t seq;
   void operator()() const noexcept {
-    if (s->ctx->running_in_this_thread()) {
-      s->cancel_op(seq);
-      return;
-    }
-    try {
-      s->ctx->dispatch([sp = s->shared_from_this(), q = seq] { sp->cancel_op(q); });
-    } catch (...) {
-    }
+    cancel_on_loop(*s->ctx, [sp = s->shared_from_this(), q = seq] { sp->cancel_op(q); });
   }
 };
 

@@ -1,5 +1,7 @@
 // What a transport provider implements (see shuttle/transport.hpp for the
-// semantics every provider must keep).
+// semantics every provider must keep; docs/writing-a-provider.md says what a
+// provider must implement and guarantee, and how the conformance suite
+// accepts it).
 #pragma once
 
 #include <shuttle/transport.hpp>

@@ -1,6 +1,7 @@
 // Multi-threaded: these run under TSan in CI.
 #include <doctest/doctest.h>
 
+#include <shuttle/detail/loop_cancel.hpp>
 #include <shuttle/shuttle.hpp>
 
 #include <atomic>
@@ -96,6 +97,63 @@ TEST_CASE("cancellation requested from a foreign thread reaches the loop") {
   }());
   t.join();
   CHECK(ec == std::errc::operation_canceled);
+}
+
+namespace {
+// An operation cancelled through detail::loop_cancel: records where and
+// when its cancellation ran and when its last reference went.
+struct probe_op : detail::loop_cancel<probe_op> {
+  std::thread::id cancelled_on{};
+  int refs_at_cancel = 0;
+  bool finished = false;
+  void cancel_here() noexcept {
+    cancelled_on = std::this_thread::get_id();
+    refs_at_cancel = refs.load();
+  }
+  void release() noexcept {
+    if (unref()) finished = true;
+  }
+};
+}  // namespace
+
+TEST_CASE("loop_cancel: cancels inline on the loop, hands over from another thread") {
+  io_context ctx;
+  ctx.run([&]() -> task<void> {
+    const auto loop_id = std::this_thread::get_id();
+    probe_op op;
+    op.refs.store(1);
+    op.request_cancel(ctx);  // the loop's own thread: at once, no reference taken
+    CHECK(op.cancelled_on == loop_id);
+    CHECK(op.refs_at_cancel == 1);
+
+    op.cancelled_on = {};
+    std::thread([&] { op.request_cancel(ctx); }).join();
+    CHECK(op.cancelled_on == std::thread::id{});  // not on the foreign thread
+    CHECK(op.refs.load() == 2);                   // the hand-off holds the operation
+    for (int i = 0; i < 100 && op.cancelled_on == std::thread::id{}; ++i) co_await yield();
+    CHECK(op.cancelled_on == loop_id);
+    CHECK(op.refs_at_cancel == 2);  // still held while it cancels
+    CHECK(op.refs.load() == 1);     // the hand-off let go afterwards
+    CHECK_FALSE(op.finished);
+    op.release();  // the operation's own completion
+    CHECK(op.finished);
+  }());
+}
+
+TEST_CASE("cancel_on_loop: runs at once on the loop, later from another thread") {
+  io_context ctx;
+  ctx.run([&]() -> task<void> {
+    const auto loop_id = std::this_thread::get_id();
+    std::thread::id ran_on{};
+    detail::cancel_on_loop(ctx, [&] { ran_on = std::this_thread::get_id(); });
+    CHECK(ran_on == loop_id);
+
+    ran_on = {};
+    std::thread([&] { detail::cancel_on_loop(ctx, [&] { ran_on = std::this_thread::get_id(); }); }).join();
+    CHECK(ran_on == std::thread::id{});
+    for (int i = 0; i < 100 && ran_on == std::thread::id{}; ++i) co_await yield();
+    CHECK(ran_on == loop_id);
+  }());
 }
 
 TEST_CASE("signal_set receives a raised signal") {

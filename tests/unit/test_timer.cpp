@@ -154,13 +154,13 @@ TEST_CASE("a busy-polling loop still completes io_uring operations") {
     CAPTURE(report_work);
     io_context ctx;
     busy_poller p(report_work);
-    ctx.add_poller(p);
+    ctx.backend().add_poller(p);
     auto t0 = std::chrono::steady_clock::now();
     ctx.run([]() -> task<void> {
       for (int i = 0; i < 5; ++i) (void)co_await sleep_for(2ms);
     }());
     auto took = std::chrono::steady_clock::now() - t0;
-    ctx.remove_poller(p);
+    ctx.backend().remove_poller(p);
     CHECK(ctx.loop_sleeps() == 0);
     CHECK(p.polls > 5);
     CHECK(took >= 10ms);
@@ -213,10 +213,10 @@ TEST_CASE("spin_budget: the loop spins for the budget, then sleeps") {
   o.spin_budget = 20ms;
   io_context ctx(o);
   idle_poller p;
-  ctx.add_poller(p);
+  ctx.backend().add_poller(p);
   const auto t0 = std::chrono::steady_clock::now();
   ctx.run([]() -> task<void> { (void)co_await sleep_for(200ms); }());
-  ctx.remove_poller(p);
+  ctx.backend().remove_poller(p);
   const auto spun = p.first_offer - t0;
   const double spun_ms = std::chrono::duration<double, std::milli>(spun).count();
   CAPTURE(spun_ms);

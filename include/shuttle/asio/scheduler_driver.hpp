@@ -159,14 +159,14 @@ class scheduler_driver : public shuttle::poller {
                    long idle_work)
       : loop_(loop), ctx_(ctx), s_(s), view_(s), idle_work_(idle_work) {
     if (idle_work < 0) activate();
-    loop_.add_poller(*this);
+    loop_.backend().add_poller(*this);
   }
   ~scheduler_driver() override {
     if (sleeping_ && active_) view_.leave_sleep();
-    loop_.remove_poller(*this);
+    loop_.backend().remove_poller(*this);
     if (op_) {
       op_->owner = nullptr;  // freed at its CQE, or by the loop's end
-      loop_.submit_cancel(op_);
+      loop_.backend().submit_cancel(op_);
     }
     // Waiters never resumed: their tasks are owned by whoever awaits them.
   }
@@ -290,8 +290,8 @@ class scheduler_driver : public shuttle::poller {
     op->owner = this;
     op->loop = &loop_;
     op->complete = &on_ready;
-    loop_.adopt_orphan(op);
-    io_uring_sqe* sqe = loop_.get_sqe();
+    loop_.backend().adopt_orphan(op);
+    io_uring_sqe* sqe = loop_.backend().get_sqe();
     io_uring_prep_poll_add(sqe, epoll_fd_, POLLIN);
     io_uring_sqe_set_data(sqe, static_cast<shuttle::detail::io_op*>(op));
     op_ = op;
@@ -303,7 +303,7 @@ class scheduler_driver : public shuttle::poller {
       op->owner->op_ = nullptr;
       op->owner->ready_ = true;
     }
-    op->loop->forget_orphan(op);
+    op->loop->backend().forget_orphan(op);
     delete op;
   }
 

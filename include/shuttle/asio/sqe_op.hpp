@@ -146,7 +146,7 @@ struct sqe_op final : shuttle::detail::io_op, std::conditional_t<Slotted, sqe_ca
     requires Slotted
   {
     if (loop->running_in_this_thread()) {
-      if (!this->done) loop->submit_cancel(this);
+      if (!this->done) loop->backend().submit_cancel(this);
       return;
     }
     // Asio emits a slot on the operation's executor, i.e. this loop's thread;
@@ -155,7 +155,7 @@ struct sqe_op final : shuttle::detail::io_op, std::conditional_t<Slotted, sqe_ca
     this->refs.fetch_add(1, std::memory_order_relaxed);
     this->run = [](shuttle::detail::remote_op* r) noexcept {
       auto* self = static_cast<sqe_op*>(static_cast<sqe_cancel_state*>(r));
-      if (!self->done) self->loop->submit_cancel(self);
+      if (!self->done) self->loop->backend().submit_cancel(self);
       if (self->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) self->finish();
     };
     loop->post_remote(this);
@@ -185,7 +185,7 @@ struct sqe_op final : shuttle::detail::io_op, std::conditional_t<Slotted, sqe_ca
   void submit() {
     io_uring_sqe* s;
     try {
-      s = loop->get_sqe();
+      s = loop->backend().get_sqe();
     } catch (...) {
       auto ec = to_boost(error_of(std::current_exception()));
       finish_with(error_args<typename Sqe::signature>::make(ec), true);

@@ -6,11 +6,11 @@
 //   co_await cuda::wait(stream);  // records an event on the stream, awaits it
 //
 // How a wait is noticed (wait_options::mechanism; lib/cuda/await.cpp;
-// docs/measurements.md keeps the dated measurements that chose the
-// default). The default, hybrid, polls with cudaEventQuery and sleeps on a
-// clock, not on a callback: polling an event wakes as fast as a thread
-// spinning in cudaEventSynchronize, while CUDA's host-function callback
-// path can wake tens of microseconds late.
+// docs/cuda-waits.md; docs/measurements.md keeps the dated measurements
+// that chose the default). The default, hybrid, polls with cudaEventQuery
+// and sleeps on a clock, not on a callback: polling an event wakes as fast
+// as a thread spinning in cudaEventSynchronize, while CUDA's host-function
+// callback path can wake tens of microseconds late.
 //
 //  - while the youngest pending wait is younger than `spin`, the thread's
 //    wait poller (a shuttle::poller) queries every pending event on each
@@ -60,6 +60,7 @@
 #include <utility>
 
 #include <shuttle/detail/io_op.hpp>
+#include <shuttle/detail/loop_cancel.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/task.hpp>
 
@@ -231,7 +232,7 @@ void reset_wait_stats() noexcept;
 
 namespace detail {
 class wait_poller;
-struct wait_node : shuttle::detail::remote_op {
+struct wait_node : shuttle::detail::loop_cancel<wait_node> {
   struct cancel_callback {
     wait_node* self;
     void operator()() const noexcept;
@@ -244,11 +245,15 @@ struct wait_node : shuttle::detail::remote_op {
   wait_node* ready_next = nullptr;
   shuttle::io_context* ctx = nullptr;
   std::optional<std::stop_callback<cancel_callback>> stop_cb;
-  std::atomic<int> refs{0};
   std::chrono::steady_clock::time_point since{};
   cudaStream_t aux = nullptr;  // the auxiliary stream of an armed host function
   cudaError_t status = cudaSuccess;
   bool cancelled = false;
+
+  // For loop_cancel, on the loop: leaves the poller unless it finished
+  // first; drops a reference and posts the waiter if it was the last.
+  void cancel_here() noexcept;
+  void release() noexcept;
 };
 // Queues `n` on the calling thread's poller; false when finished without
 // suspending (already complete, failed or cancelled).

@@ -28,14 +28,9 @@
 //    before it (on the tcp provider that acknowledgement queues behind the
 //    sender's multi-megabyte writes).
 //
-// On an H200 over the tcp provider (one loop, loopback, 512 MiB, kernels
-// calibrated to at least 0.9 of the transfer time, each time the best of
-// three; bench/gpu/pipeline_bench.cpp) this reaches 0.98-1.04 of
-// max(kernel time, transfer time) with 2 MiB chunks, 2 bounce buffers and 4
-// slots (0.58 before), 2 MiB / 3 / 8 (0.98 before) and 1 MiB / 4 / 8 (0.67
-// before). In 2 of 24 such measurements the loopback transfer, CPU-bound on
-// the loop thread and varying by tens of percent from one run to the next,
-// was slow through all three pipelined runs (0.75, 0.79).
+// The pipeline aims at max(kernel time, transfer time);
+// bench/gpu/pipeline_bench.cpp measures how close it gets (figures:
+// docs/measurements.md).
 //
 // While a transfer runs the connection belongs to it (its recv() reads the
 // credits). A transfer that fails on one side (a CUDA error, cancellation)

@@ -4,8 +4,8 @@
 // kernel to cancel (IORING_OP_ASYNC_CANCEL) and the coroutine resumes only
 // after the operation's own CQE arrived, so the kernel never writes a buffer
 // after its owner resumed. A stop request from another thread is handed to the
-// loop through an intrusive node in the operation; a reference count keeps the
-// operation alive until both that hand-off and the CQE are done.
+// loop (loop_cancel.hpp); the operation resumes once both that hand-off and
+// the CQE are done.
 #pragma once
 
 #include <atomic>
@@ -14,11 +14,14 @@
 #include <optional>
 #include <stop_token>
 
+#include <shuttle/detail/loop_cancel.hpp>
 #include <shuttle/io_context.hpp>
 
 namespace shuttle::detail {
 
-class uring_op_base : protected io_op, protected remote_op {
+class uring_op_base : protected io_op, protected loop_cancel<uring_op_base> {
+  friend loop_cancel<uring_op_base>;
+
  protected:
   explicit uring_op_base(io_context& ctx) noexcept : ctx_(&ctx) {}
 
@@ -30,12 +33,12 @@ class uring_op_base : protected io_op, protected remote_op {
       res_ = -ECANCELED;
       return false;
     }
-    io_uring_sqe* sqe = ctx_->get_sqe();
+    io_uring_sqe* sqe = ctx_->backend().get_sqe();
     prep(sqe);
     io_uring_sqe_set_data(sqe, static_cast<io_op*>(this));
     io_op::complete = &on_complete;
     waiter_ = h;
-    refs_.store(1, std::memory_order_relaxed);
+    refs.store(1, std::memory_order_relaxed);
     if (token.stop_possible()) stop_cb_.emplace(std::move(token), cancel_callback{this});
     return true;
   }
@@ -47,21 +50,12 @@ class uring_op_base : protected io_op, protected remote_op {
  private:
   struct cancel_callback {
     uring_op_base* self;
-    void operator()() const noexcept { self->request_cancel(); }
+    void operator()() const noexcept { self->request_cancel(*self->ctx_); }
   };
 
-  void request_cancel() noexcept {
-    if (ctx_->running_in_this_thread()) {
-      if (!done_) ctx_->submit_cancel(this);
-      return;
-    }
-    refs_.fetch_add(1, std::memory_order_relaxed);
-    remote_op::run = [](remote_op* r) noexcept {
-      auto* self = static_cast<uring_op_base*>(r);
-      if (!self->done_) self->ctx_->submit_cancel(self);
-      self->release();
-    };
-    ctx_->post_remote(this);
+  // On the loop (loop_cancel): the kernel may still hold the operation.
+  void cancel_here() noexcept {
+    if (!done_) ctx_->backend().submit_cancel(this);
   }
 
   static void on_complete(io_op* op, int res, std::uint32_t flags) noexcept {
@@ -79,12 +73,11 @@ class uring_op_base : protected io_op, protected remote_op {
   }
 
   void release() noexcept {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) waiter_.resume();
+    if (unref()) waiter_.resume();
   }
 
   std::coroutine_handle<> waiter_{};
   std::optional<std::stop_callback<cancel_callback>> stop_cb_;
-  std::atomic<int> refs_{0};
   bool done_ = false;
 };
 

@@ -12,13 +12,14 @@
 #include <optional>
 #include <stop_token>
 
+#include <shuttle/detail/loop_cancel.hpp>
 #include <shuttle/io_context.hpp>
 
 namespace shuttle::detail {
 
 class wait_list;
 
-struct wait_node : remote_op {
+struct wait_node : loop_cancel<wait_node> {
   struct cancel_callback {
     wait_node* self;
     void operator()() const noexcept;
@@ -29,7 +30,6 @@ struct wait_node : remote_op {
   io_context* ctx = nullptr;
   std::coroutine_handle<> waiter{};
   std::optional<std::stop_callback<cancel_callback>> stop_cb;
-  std::atomic<int> refs{0};
   bool cancelled = false;
 
   wait_node() noexcept = default;
@@ -39,8 +39,10 @@ struct wait_node : remote_op {
   wait_node& operator=(wait_node&&) = delete;
 
   void release() noexcept {
-    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) ctx->post(waiter);
+    if (unref()) ctx->post(waiter);
   }
+  // On the loop (loop_cancel): leaves the queue unless it was woken first.
+  inline void cancel_here() noexcept;
 };
 
 class wait_list {
@@ -110,30 +112,14 @@ class wait_list {
   wait_node* tail_ = nullptr;
 };
 
-inline void wait_node::cancel_callback::operator()() const noexcept {
-  wait_node* n = self;
-  auto cancel_on_loop = [](wait_node* n) noexcept {
-    if (n->list) {
-      n->list->unlink(*n);
-      n->cancelled = true;
-      n->release();  // the queue's reference
-    }
-  };
-  if (n->ctx->running_in_this_thread()) {
-    cancel_on_loop(n);
-    return;
+inline void wait_node::cancel_here() noexcept {
+  if (list) {
+    list->unlink(*this);
+    cancelled = true;
+    release();  // the queue's reference
   }
-  n->refs.fetch_add(1, std::memory_order_relaxed);
-  n->run = [](remote_op* r) noexcept {
-    auto* n = static_cast<wait_node*>(r);
-    if (n->list) {
-      n->list->unlink(*n);
-      n->cancelled = true;
-      n->refs.fetch_sub(1, std::memory_order_relaxed);  // the queue's reference
-    }
-    n->release();
-  };
-  n->ctx->post_remote(n);
 }
+
+inline void wait_node::cancel_callback::operator()() const noexcept { self->request_cancel(*self->ctx); }
 
 }  // namespace shuttle::detail
