@@ -847,6 +847,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       return;
     }
     if (established && (e.type == RDMA_CM_EVENT_DISCONNECTED || e.type == RDMA_CM_EVENT_DEVICE_REMOVAL)) {
+      // What the peer sent before it disconnected completed on its side,
+      // so its receives' completions are in this side's CQ already; the
+      // loop may reap this event before it polls them: take them first,
+      // or a recv() fails "disconnected" with its message in the CQ.
+      if (e.type == RDMA_CM_EVENT_DISCONNECTED) dom->poll_cq();
       fail(disconnected());
       return;
     }
@@ -907,6 +912,14 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       int mask = 0;
       qa.qp_state = IBV_QPS_INIT;
       if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
+      // The connecting side is here before the CM has a connection, and
+      // rdma_init_qp_attr then gives no remote access (librdmacm's own
+      // rdma_connect asks again before RTR): the peer's writes would end in
+      // "remote invalid request". Both sides take every remote access; what
+      // a peer may touch is the registrations' and windows' rights.
+      qa.qp_access_flags |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                            IBV_ACCESS_REMOTE_ATOMIC;
+      mask |= IBV_QP_ACCESS_FLAGS;
       if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
     }
     qp_num = qp->qp_num;
