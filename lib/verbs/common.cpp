@@ -2,13 +2,13 @@
 // category and device listing.
 #include <shuttle/verbs/verbs.hpp>
 
-#include <arpa/inet.h>
+#include <endian.h>
 
 #include <cstdio>
 #include <cstring>
 
 #ifdef SHUTTLE_HAVE_VERBS
-#include <infiniband/verbs.h>
+#include "device.hpp"
 #endif
 
 namespace shuttle::verbs {
@@ -48,18 +48,6 @@ const std::error_category& category() noexcept {
 std::error_code make_wc_error(int status) noexcept { return {status, category()}; }
 
 #ifdef SHUTTLE_HAVE_VERBS
-namespace {
-std::string gid_str(const ibv_gid& g) {
-  char buf[INET6_ADDRSTRLEN] = {};
-  inet_ntop(AF_INET6, g.raw, buf, sizeof buf);
-  return buf;
-}
-bool is_ipv4_mapped(const ibv_gid& g) {
-  static const std::uint8_t prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-  return std::memcmp(g.raw, prefix, 12) == 0;
-}
-}  // namespace
-
 result<std::vector<device_info>> list_devices() {
   std::vector<device_info> out;
   int n = 0;
@@ -95,17 +83,14 @@ result<std::vector<device_info>> list_devices() {
           pi.state = ibv_port_state_str(pa.state);
           pi.link_layer = pa.link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet" : "InfiniBand";
           pi.active_mtu = 128 << pa.active_mtu;
-          for (int gi = 0; gi < pa.gid_tbl_len && gi < 256; ++gi) {
-            ibv_gid_entry e{};
-            if (ibv_query_gid_ex(ctx, static_cast<std::uint32_t>(p), static_cast<std::uint32_t>(gi), &e, 0)) continue;
-            ibv_gid z{};
-            if (std::memcmp(&e.gid, &z, sizeof z) == 0) continue;
+          const auto gids = detail::verbs_impl::port_gids(ctx, static_cast<std::uint8_t>(p), pa.gid_tbl_len);
+          pi.ipv4_gid_index = detail::verbs_impl::ipv4_gid_index(gids);
+          for (const auto& e : gids) {
             gid_info gin;
-            gin.index = gi;
-            gin.gid = gid_str(e.gid);
+            gin.index = static_cast<int>(e.gid_index);
+            gin.gid = detail::verbs_impl::gid_text(e.gid);
             gin.type = e.gid_type == IBV_GID_TYPE_ROCE_V2 ? "RoCE v2" : e.gid_type == IBV_GID_TYPE_ROCE_V1 ? "RoCE v1" : "IB";
-            gin.ipv4_mapped = is_ipv4_mapped(e.gid);
-            if (gin.ipv4_mapped && e.gid_type == IBV_GID_TYPE_ROCE_V2 && pi.ipv4_gid_index < 0) pi.ipv4_gid_index = gi;
+            gin.ipv4_mapped = detail::verbs_impl::ipv4_mapped(e.gid);
             pi.gids.push_back(std::move(gin));
           }
           d.ports.push_back(std::move(pi));

@@ -1,5 +1,10 @@
 // The verbs provider: rdma-core (libibverbs + librdmacm) on the io_uring loop.
 //
+// Beside this file: device.hpp (device, port and GID selection, shared with
+// the device listing), cm_events.hpp (rdma_cm events, the hello, reject
+// reasons), fd_watch.hpp (fds the loop watches), registration.hpp (regions,
+// staging slots, the search for a covering registration).
+//
 // Pieces:
 //  - core: one device context, its protection domain, one completion channel
 //    and one CQ shared by every QP of the domain. The CQ is a poller of the
@@ -36,6 +41,10 @@
 //    signaled one, RC completes in order).
 #include "../spin_clock.hpp"
 #include "../transport/provider.hpp"
+#include "cm_events.hpp"
+#include "fd_watch.hpp"
+#include "registration.hpp"
+#include "device.hpp"
 #include <shuttle/io_context.hpp>
 #include <shuttle/sync.hpp>
 #include <shuttle/timer.hpp>
@@ -63,11 +72,11 @@
 namespace shuttle::detail {
 namespace {
 
+using namespace verbs_impl;
+
 
 constexpr std::uint32_t ctrl_reserve = 2;            // extra receives (and send slots) for credit messages
 constexpr std::uint32_t ctrl_flag = 0x80000000u;     // imm of a control message
-constexpr std::uint32_t wire_magic = 0x53485632u;    // "SHV2"
-constexpr std::uint32_t reject_magic = 0x53485252u;  // "SHRR": a reject's private data (reject_reason)
 // A connection posts this many user receives at first (the peer's initial
 // credits, announced in the hello) and doubles them as messages arrive, up
 // to receive_buffers; each receive added is a credit for the peer once it
@@ -79,14 +88,6 @@ constexpr std::uint32_t initial_receives = 1;
 // keep receives posted ahead of sends, so an RNR NAK means a peer that does
 // not post what it announced; 7 would retry forever.
 constexpr std::uint8_t rnr_retries = 3;
-// Memory the library does not own (neither a live user registration nor its
-// own) is never registered for longer than one operation: nothing can tell
-// the library when such memory is unmapped (docs/memory-registration.md).
-// Send and write sources up to staging_slot_size are copied into a
-// registered staging slot; larger ones, read targets, and any operation
-// when every slot is taken, are registered for the operation alone.
-constexpr std::size_t staging_slot_size = 64 << 10;
-constexpr std::uint32_t staging_slots = 32;
 constexpr unsigned ack_batch = 64;
 
 std::error_code last_errno() noexcept { return errno_code(errno ? errno : EIO); }
@@ -111,146 +112,6 @@ bool set_nonblock(int fd) noexcept {
 struct wr_ctx {
   void (*on_wc)(wr_ctx* self, const ibv_wc& wc) noexcept = nullptr;
 };
-
-// A persistent IORING_OP_POLL_ADD on an fd with a callback. Destroying it
-// while armed cancels the poll and frees it when its CQE arrives, or with
-// the io_context if that ends first (it is then the context's orphan).
-class fd_watch : public orphan_op {
- public:
-  using callback = void (*)(void* arg) noexcept;
-  fd_watch(int fd, callback cb, void* arg) noexcept : fd_(fd), cb_(cb), arg_(arg) { complete = &on_complete; }
-  void arm(io_context& ctx) {
-    if (armed_ || orphan_) return;
-    ctx_ = &ctx;
-    io_uring_sqe* sqe = ctx.get_sqe();
-    io_uring_prep_poll_add(sqe, fd_, POLLIN);
-    io_uring_sqe_set_data(sqe, static_cast<io_op*>(this));
-    armed_ = true;
-  }
-  void destroy() noexcept {
-    if (armed_) {
-      orphan_ = true;
-      ctx_->submit_cancel(this);
-      ctx_->adopt_orphan(this);
-    } else {
-      delete this;
-    }
-  }
-
- private:
-  static void on_complete(io_op* op, int, std::uint32_t) noexcept {
-    auto* self = static_cast<fd_watch*>(op);
-    self->armed_ = false;
-    if (self->orphan_) {
-      self->ctx_->forget_orphan(self);
-      delete self;
-      return;
-    }
-    self->cb_(self->arg_);
-  }
-  int fd_;
-  callback cb_;
-  void* arg_;
-  io_context* ctx_ = nullptr;
-  bool armed_ = false;
-  bool orphan_ = false;
-};
-
-// Owns the device list reference and the PD; outlives every registration.
-struct pd_holder {
-  ibv_context** devices = nullptr;
-  ibv_context* ctx = nullptr;
-  ibv_pd* pd = nullptr;
-  ~pd_holder() {
-    if (pd) ibv_dealloc_pd(pd);
-    if (devices) rdma_free_devices(devices);
-  }
-};
-
-struct verbs_region final : region_impl, std::enable_shared_from_this<verbs_region> {
-  ibv_mr* mr = nullptr;
-  bool device_memory = false;  // dma-buf (GPU) memory: the CPU must not read it, so never inline
-  std::shared_ptr<pd_holder> pd;
-  std::uint64_t seq = 0;  // creation order: the newest covering user registration wins
-  ~verbs_region() override {
-    if (mr) ibv_dereg_mr(mr);
-  }
-};
-
-// Registered slots, one domain's, that sends and writes from memory the
-// library does not own are copied into (see staging_slot_size). A slot is
-// leased to one operation and comes back when the operation's hold on it
-// (a shared_ptr with staging_return as deleter) goes.
-struct staging_pool {
-  std::byte* mem = nullptr;
-  std::shared_ptr<verbs_region> region;
-  std::vector<std::uint32_t> free_slots;  // capacity reserved: returning never allocates
-  ~staging_pool() {
-    region.reset();  // deregistered before the pages go
-    if (mem) ::munmap(mem, std::size_t(staging_slots) * staging_slot_size);
-  }
-};
-struct staging_return {
-  std::shared_ptr<staging_pool> pool;
-  std::uint32_t slot;
-  void operator()(verbs_region*) const noexcept { pool->free_slots.push_back(slot); }
-};
-
-struct cm_evt {
-  rdma_cm_event_type type{};
-  int status = 0;
-  rdma_cm_id* id = nullptr;
-  std::uint8_t initiator_depth = 0, responder_resources = 0;
-  std::array<std::uint8_t, 64> priv{};
-  std::size_t priv_len = 0;
-};
-
-cm_evt copy_event(const rdma_cm_event* e) {
-  cm_evt c;
-  c.type = e->event;
-  c.status = e->status;
-  c.id = e->id;
-  if (e->id && e->id->ps == RDMA_PS_TCP) {
-    c.initiator_depth = e->param.conn.initiator_depth;
-    c.responder_resources = e->param.conn.responder_resources;
-    if (e->param.conn.private_data && e->param.conn.private_data_len) {
-      c.priv_len = std::min<std::size_t>(e->param.conn.private_data_len, c.priv.size());
-      std::memcpy(c.priv.data(), e->param.conn.private_data, c.priv_len);
-    }
-  }
-  return c;
-}
-
-// What each side tells the other in the CM private data (network order).
-struct wire_hello {
-  std::uint32_t magic;
-  std::uint32_t max_slots;      // user receives it may ever have posted: the cap on credits outstanding
-  std::uint32_t initial_slots;  // user receives posted now (the initial credits), 1..max_slots
-  std::uint32_t buffer_size;    // largest message accepted, >= 1
-};
-
-// Why a listener rejected a request: the reject's private data is
-// {reject_magic, reason} in network order.
-enum class reject_reason : std::uint32_t {
-  too_many_handshakes = 1,  // listener_options::max_handshakes
-  backlog_full = 2,         // listener_options::accept_backlog
-  too_many_connections = 3, // listener_options::max_connections
-  bad_hello = 4,            // the request's private data is not a hello this side can honour
-  no_resources = 5,         // QP, CQ entries or receive buffers could not be had
-  // 6 is not used: a handshake past listener_options::handshake_timeout has
-  // had its REP, and its REJ carries no reason (see check_deadlines).
-};
-
-std::error_code cm_error(const cm_evt& e) {
-  switch (e.type) {
-    case RDMA_CM_EVENT_REJECTED: return std::make_error_code(std::errc::connection_refused);
-    case RDMA_CM_EVENT_UNREACHABLE:
-    case RDMA_CM_EVENT_ADDR_ERROR:
-    case RDMA_CM_EVENT_ROUTE_ERROR: return std::make_error_code(std::errc::host_unreachable);
-    case RDMA_CM_EVENT_CONNECT_ERROR: return std::make_error_code(std::errc::connection_aborted);
-    default: return make_error_code(errc::protocol_error);
-  }
-}
 
 struct conn_state;
 struct core;
@@ -512,7 +373,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   void on_srq_release(recv_slot& slot) noexcept { srq_released.push_back(&slot); }
 
   result<std::shared_ptr<verbs_region>> reg(std::span<std::byte> mem, unsigned flags) {
-    unsigned a = normalize(flags);
+    unsigned a = normalize_access(flags);
     ibv_mr* mr = ibv_reg_mr(pd, mem.data(), mem.size(), static_cast<int>(a));
     if (!mr) return last_errno();
     ++st.registrations;
@@ -532,18 +393,12 @@ struct core final : poller, std::enable_shared_from_this<core> {
     return (dattr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
   }
 
-  static unsigned normalize(unsigned flags) noexcept {
-    unsigned a = flags & access::all;
-    if (a & (access::remote_write | access::remote_atomic)) a |= access::local_write;
-    return a;
-  }
-
 #ifdef SHUTTLE_HAVE_VERBS_DMABUF
   // Device memory exported as a dma-buf; the region's addresses are `iova`
   // (the device pointer), as operations and remote descriptors use them.
   result<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova,
                                         unsigned flags) {
-    unsigned a = normalize(flags);
+    unsigned a = normalize_access(flags);
     ibv_mr* mr = ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, static_cast<int>(a));
     if (!mr) return last_errno();
     ++st.registrations;
@@ -596,24 +451,6 @@ struct core final : poller, std::enable_shared_from_this<core> {
     last_ptr = r.get();
     last_base = reinterpret_cast<std::uintptr_t>(r->addr);
     last_end = last_base + r->length;
-  }
-
-  // The newest live registration covering [a, a+len) (with local write if
-  // asked), among the 64 nearest at or below `a`.
-  template <class Map>
-  static std::shared_ptr<verbs_region> find_cover(Map& m, std::uintptr_t a, std::size_t len, bool need_write) {
-    auto it = m.upper_bound(a);
-    std::shared_ptr<verbs_region> best;
-    for (int steps = 0; it != m.begin() && steps < 64; ++steps) {
-      --it;
-      std::shared_ptr<verbs_region> sp = it->second.lock();
-      if (!sp) continue;
-      auto base = reinterpret_cast<std::uintptr_t>(sp->addr);
-      bool writable = (sp->access & access::local_write) != 0;
-      if (a >= base && a + len <= base + sp->length && (!need_write || writable) && (!best || sp->seq > best->seq))
-        best = std::move(sp);
-    }
-    return best;
   }
 
   // The registration local_region found last: operations on one buffer in
@@ -847,6 +684,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       return;
     }
     if (established && (e.type == RDMA_CM_EVENT_DISCONNECTED || e.type == RDMA_CM_EVENT_DEVICE_REMOVAL)) {
+      // What the peer sent before it disconnected completed on its side,
+      // so its receives' completions are in this side's CQ already; the
+      // loop may reap this event before it polls them: take them first,
+      // or a recv() fails "disconnected" with its message in the CQ.
+      if (e.type == RDMA_CM_EVENT_DISCONNECTED) dom->poll_cq();
       fail(disconnected());
       return;
     }
@@ -907,6 +749,14 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       int mask = 0;
       qa.qp_state = IBV_QPS_INIT;
       if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
+      // The connecting side is here before the CM has a connection, and
+      // rdma_init_qp_attr then gives no remote access (librdmacm's own
+      // rdma_connect asks again before RTR): the peer's writes would end in
+      // "remote invalid request". Both sides take every remote access; what
+      // a peer may touch is the registrations' and windows' rights.
+      qa.qp_access_flags |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                            IBV_ACCESS_REMOTE_ATOMIC;
+      mask |= IBV_QP_ACCESS_FLAGS;
       if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
     }
     qp_num = qp->qp_num;
@@ -2354,17 +2204,6 @@ class verbs_connection final : public connection_impl {
 
 // ------------------------------------------------------------------ connect / accept
 
-// Why the REP's private data is no hello this side takes: none or another
-// protocol's (a plain rdma_cm peer), another wire version's ("SHV" and
-// another digit), or a shuttle hello this side cannot honour.
-std::error_code hello_error(const cm_evt& e) {
-  std::uint32_t magic = 0;
-  if (e.priv_len >= sizeof magic) std::memcpy(&magic, e.priv.data(), sizeof magic);
-  magic = ntohl(magic);
-  if (magic == wire_magic) return make_error_code(errc::protocol_error);
-  return make_error_code((magic >> 8) == (wire_magic >> 8) ? errc::wire_version_mismatch : errc::not_a_shuttle_peer);
-}
-
 task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint ep) {
   int ms = static_cast<int>(std::max<std::int64_t>(100, st->opts.connect_timeout.count()));
   if (rdma_resolve_addr(st->id, nullptr, const_cast<sockaddr*>(ep.data()), ms) != 0) co_return last_errno();
@@ -2728,11 +2567,6 @@ class verbs_domain final : public domain_impl {
   std::shared_ptr<core> c_;
 };
 
-bool ipv4_mapped(const ibv_gid& g) {
-  static const std::uint8_t prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-  return std::memcmp(g.raw, prefix, 12) == 0;
-}
-
 }  // namespace
 
 result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opts) {
@@ -2740,40 +2574,16 @@ result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opt
   int n = 0;
   pdh->devices = rdma_get_devices(&n);
   if (!pdh->devices || n == 0) return make_error_code(errc::not_supported);
+  auto chosen = verbs_impl::choose_device(pdh->devices, n, opts.device, opts.gid_index);
+  if (!chosen) return make_error_code(errc::not_supported);
   auto c = std::make_shared<core>();
-  for (int i = 0; i < n && !c->ctx; ++i) {
-    ibv_context* ctx = pdh->devices[i];
-    if (!opts.device.empty() && opts.device != ibv_get_device_name(ctx->device)) continue;
-    ibv_device_attr a{};
-    if (ibv_query_device(ctx, &a) != 0) continue;
-    for (int p = 1; p <= a.phys_port_cnt; ++p) {
-      ibv_port_attr pa{};
-      if (ibv_query_port(ctx, static_cast<std::uint8_t>(p), &pa) == 0 && pa.state == IBV_PORT_ACTIVE) {
-        c->ctx = ctx;
-        c->max_msg = pa.max_msg_sz;
-        c->dattr = a;
-        c->port = static_cast<std::uint8_t>(p);
-        c->name = ibv_get_device_name(ctx->device);
-        // GID: given, else the RoCE v2 IPv4-mapped one, else 0.
-        int chosen = opts.gid_index;
-        for (int g = 0; chosen < 0 && g < pa.gid_tbl_len && g < 256; ++g) {
-          ibv_gid_entry e{};
-          if (ibv_query_gid_ex(ctx, static_cast<std::uint32_t>(p), static_cast<std::uint32_t>(g), &e, 0)) continue;
-          if (e.gid_type == IBV_GID_TYPE_ROCE_V2 && ipv4_mapped(e.gid)) chosen = g;
-        }
-        if (chosen < 0) chosen = 0;
-        c->gid_index = chosen;
-        ibv_gid gid{};
-        if (ibv_query_gid(ctx, c->port, chosen, &gid) == 0) {
-          char buf[INET6_ADDRSTRLEN] = {};
-          inet_ntop(AF_INET6, gid.raw, buf, sizeof buf);
-          c->gid_text = buf;
-        }
-        break;
-      }
-    }
-  }
-  if (!c->ctx) return make_error_code(errc::not_supported);
+  c->ctx = chosen->ctx;
+  c->max_msg = chosen->max_msg;
+  c->dattr = chosen->dattr;
+  c->port = chosen->port;
+  c->name = std::move(chosen->name);
+  c->gid_index = chosen->gid_index;
+  c->gid_text = std::move(chosen->gid);
   pdh->ctx = c->ctx;
   pdh->pd = ibv_alloc_pd(c->ctx);
   if (!pdh->pd) return last_errno();
