@@ -6,11 +6,19 @@
 // there is refused as on the tcp provider (remote_access_error, and the
 // connection fails).
 #include "connection.hpp"
+#include "stats.hpp"
 
 #include <poll.h>
 
 #include <atomic>
 #include <cstring>
+
+namespace shuttle::detail {
+namespace {
+thread_local std::uint64_t direct_accesses = 0;  // a domain and its connections belong to one thread
+}
+std::uint64_t local_direct_accesses() noexcept { return direct_accesses; }
+}  // namespace shuttle::detail
 
 namespace shuttle::detail::local_provider {
 
@@ -49,6 +57,7 @@ std::byte* local_connection::direct(const remote_buffer& r, std::size_t len, uns
     return nullptr;
   }
   if (peer_hung_up()) return nullptr;  // the engine reads what the peer left, then fails
+  ++direct_accesses;
   return pr.at + off;
 }
 
