@@ -5,9 +5,11 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/tcp.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <charconv>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 
@@ -102,6 +104,19 @@ std::uint16_t endpoint::port() const noexcept {
   return 0;
 }
 
+result<endpoint> endpoint::unix_socket(std::string_view path) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  bool abstract = !path.empty() && path[0] == '@';
+  if (path.empty() || path.size() > sizeof a.sun_path - (abstract ? 0 : 1) || (abstract && path.size() == 1) ||
+      path.find('\0') != std::string_view::npos)
+    return std::make_error_code(std::errc::invalid_argument);
+  std::memcpy(a.sun_path, path.data(), path.size());
+  if (abstract) a.sun_path[0] = '\0';  // the abstract namespace: no file, gone with its last socket
+  auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size() + (abstract ? 0 : 1));
+  return endpoint(reinterpret_cast<sockaddr*>(&a), len);
+}
+
 std::string endpoint::to_string() const {
   // Appends rather than operator+ chains: g++ 12 -O3 warns falsely (-Wrestrict) on those.
   char buf[INET6_ADDRSTRLEN] = "?";
@@ -112,6 +127,14 @@ std::string endpoint::to_string() const {
   } else if (addr_.ss_family == AF_INET6) {
     inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&addr_)->sin6_addr, buf, sizeof buf);
     out.append("[").append(buf).append("]");
+  } else if (addr_.ss_family == AF_UNIX) {
+    // "unix:/path", "unix:@name" (abstract), "unix:" (unnamed)
+    const auto* un = reinterpret_cast<const sockaddr_un*>(&addr_);
+    std::size_t n = len_ > offsetof(sockaddr_un, sun_path) ? len_ - offsetof(sockaddr_un, sun_path) : 0;
+    out.append("unix:");
+    if (n > 0 && un->sun_path[0] == '\0') out.append("@").append(un->sun_path + 1, n - 1);
+    else out.append(un->sun_path, strnlen(un->sun_path, n));
+    return out;
   } else {
     return "<unspecified>";
   }
@@ -186,7 +209,8 @@ int tcp_socket::release() noexcept {
 }
 
 task<result<tcp_socket>> tcp_socket::connect(endpoint ep) {
-  int fd = ::socket(ep.family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+  // protocol 0 for AF_UNIX (the local provider sets its connections up over one)
+  int fd = ::socket(ep.family(), SOCK_STREAM | SOCK_CLOEXEC, ep.family() == AF_UNIX ? 0 : IPPROTO_TCP);
   if (fd < 0) co_return errno_code(errno);
   tcp_socket s(fd);
   int res = co_await detail::make_uring_awaitable(
@@ -360,7 +384,8 @@ tcp_listener::~tcp_listener() { close(); }
 result<tcp_listener> tcp_listener::bind(const endpoint& ep, options opts) {
   io_context* ctx = io_context::current_or_null();
   if (!ctx) return make_error_code(errc::no_io_context);
-  int fd = ::socket(ep.family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+  // protocol 0 for AF_UNIX (the local provider sets its connections up over one)
+  int fd = ::socket(ep.family(), SOCK_STREAM | SOCK_CLOEXEC, ep.family() == AF_UNIX ? 0 : IPPROTO_TCP);
   if (fd < 0) return errno_code(errno);
   int one = 1;
   auto fail = [fd](int e) {

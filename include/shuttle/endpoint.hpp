@@ -1,5 +1,6 @@
 // An IPv4 or IPv6 address and port: what tcp sockets and the transport API
-// connect to and listen on.
+// connect to and listen on; or a Unix-domain socket address (the local
+// transport provider).
 #pragma once
 
 #include <sys/socket.h>
@@ -23,6 +24,9 @@ class endpoint {
   static result<endpoint> resolve(const std::string& host, std::uint16_t port);
   static endpoint loopback(std::uint16_t port) noexcept;
   static endpoint any(std::uint16_t port) noexcept;
+  // A Unix-domain socket: a filesystem path, or "@name" for a name in the
+  // abstract namespace. std::errc::invalid_argument if it does not fit.
+  static result<endpoint> unix_socket(std::string_view path);
 
   const sockaddr* data() const noexcept { return reinterpret_cast<const sockaddr*>(&addr_); }
   socklen_t size() const noexcept { return len_; }

@@ -1,10 +1,13 @@
 // The transport-neutral RDMA API. Applications are written once against it;
-// two providers implement it:
+// three providers implement it:
 //
 //  - verbs: rdma-core (libibverbs + librdmacm), RC queue pairs, real NICs and
 //    Soft-RoCE;
 //  - tcp: a user-space provider with RC semantics over TCP sockets, for
-//    machines without an RDMA device (the default there).
+//    machines without an RDMA device (the default there);
+//  - local: peers on the same host (lib/local_provider/README.md): set up
+//    over a Unix-domain socket, one-sided operations on memory from
+//    shuttle/local.hpp as memcpy / std::atomic_ref on the peer's mapping.
 //
 // The model is the verbs one. A domain (a protection domain) owns memory
 // registrations; a connection (an RC queue pair) offers two-sided send/recv
@@ -57,9 +60,9 @@
 
 namespace shuttle {
 
-enum class transport_kind { automatic, tcp, verbs };
+enum class transport_kind { automatic, tcp, verbs, local };
 const char* to_string(transport_kind k) noexcept;
-// "tcp", "verbs" (also "rdma"), "auto"; anything else is an error.
+// "tcp", "verbs" (also "rdma"), "local", "auto"; anything else is an error.
 result<transport_kind> parse_transport_kind(std::string_view s);
 
 // Access rights of a registration (ibv_access_flags values).

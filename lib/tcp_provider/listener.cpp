@@ -45,18 +45,21 @@ task<void> idle_watch(std::shared_ptr<conn_state> s, std::chrono::milliseconds l
 // A listener's state, shared with its handshakes: they end a loop turn after
 // close() (their stop is requested) and may outlive it.
 struct listener_core {
-  listener_core(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim)
+  listener_core(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim,
+                engine_hooks h)
       : sock(std::move(l)),
         dom(std::move(d)),
         opts(o),
         limits(lim),
-        ready(std::max<std::uint32_t>(lim.accept_backlog, 1)) {}
+        ready(std::max<std::uint32_t>(lim.accept_backlog, 1)),
+        hooks(h) {}
 
   tcp_listener sock;
   std::shared_ptr<domain_state> dom;
   connection_options opts;
   listener_options limits;
   channel<connection> ready;  // established, not yet taken by accept()
+  engine_hooks hooks;
   std::shared_ptr<live_count> live = std::make_shared<live_count>();
   std::uint32_t handshakes = 0;  // in progress
   std::error_code failure{};     // the listening socket's own error, for accept()
@@ -151,7 +154,8 @@ struct listener_core {
 
   // One peer's hello, with its own deadline, concurrently with the others.
   static task<void> handshake_one(std::shared_ptr<listener_core> c, tcp_socket sock) {
-    auto s = co_await with_timeout(handshake(sock, c->dom, c->opts), c->limits.handshake_timeout);
+    auto hs = c->hooks.handshake ? c->hooks.handshake(sock, c->dom, c->opts) : handshake(sock, c->dom, c->opts);
+    auto s = co_await with_timeout(std::move(hs), c->limits.handshake_timeout);
     if (!s) s = handshake_error(s.error());
     --c->handshakes;
     c->slot_freed.set();
@@ -165,7 +169,7 @@ struct listener_core {
     (*s)->start();
     if (c->limits.idle_timeout.count() > 0)
       spawn_in((*s)->tasks, idle_watch(*s, c->limits.idle_timeout), (*s)->stop.get_token());
-    connection conn = make_connection(std::move(*s));
+    connection conn = c->hooks.make ? c->hooks.make(std::move(*s)) : make_connection(std::move(*s));
     // Closed meanwhile: `conn` closes here (may_start_handshake() kept room
     // in the backlog for it).
     if (!c->closed && c->ready.try_send(conn)) c->established.set();
@@ -179,8 +183,9 @@ struct listener_core {
 // closed then leaves nothing behind. See listener_options for the limits.
 class tcp_listener_impl final : public listener_impl {
  public:
-  tcp_listener_impl(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim)
-      : c_(std::make_shared<listener_core>(std::move(l), std::move(d), o, lim)) {}
+  tcp_listener_impl(tcp_listener l, std::shared_ptr<domain_state> d, connection_options o, listener_options lim,
+                    engine_hooks h)
+      : c_(std::make_shared<listener_core>(std::move(l), std::move(d), o, lim, h)) {}
   ~tcp_listener_impl() override { c_->close(); }
 
   task<result<connection>> accept() override { return accept_impl(c_); }
@@ -211,8 +216,9 @@ class tcp_listener_impl final : public listener_impl {
 }  // namespace
 
 std::unique_ptr<listener_impl> make_listener(tcp_listener l, std::shared_ptr<domain_state> dom,
-                                             connection_options opts, listener_options limits) {
-  return std::make_unique<tcp_listener_impl>(std::move(l), std::move(dom), opts, limits);
+                                             connection_options opts, listener_options limits,
+                                             engine_hooks hooks) {
+  return std::make_unique<tcp_listener_impl>(std::move(l), std::move(dom), opts, limits, hooks);
 }
 
 }  // namespace shuttle::detail::tcp_provider

@@ -132,5 +132,7 @@ class domain_impl {
 // usable device exists.
 result<std::shared_ptr<domain_impl>> make_tcp_domain(const domain_options& opts);
 result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opts);
+// lib/local_provider: peers on the same host.
+result<std::shared_ptr<domain_impl>> make_local_domain(const domain_options& opts);
 
 }  // namespace shuttle::detail

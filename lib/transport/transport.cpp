@@ -16,6 +16,7 @@ const char* to_string(transport_kind k) noexcept {
     case transport_kind::automatic: return "auto";
     case transport_kind::tcp: return "tcp";
     case transport_kind::verbs: return "verbs";
+    case transport_kind::local: return "local";
   }
   return "?";
 }
@@ -24,6 +25,7 @@ result<transport_kind> parse_transport_kind(std::string_view s) {
   if (s == "auto" || s.empty()) return transport_kind::automatic;
   if (s == "tcp") return transport_kind::tcp;
   if (s == "verbs" || s == "rdma") return transport_kind::verbs;
+  if (s == "local") return transport_kind::local;
   return std::make_error_code(std::errc::invalid_argument);
 }
 
@@ -174,6 +176,11 @@ result<domain> domain::open(domain_options opts) {
   }
   if (opts.kind == transport_kind::verbs) {
     auto d = detail::make_verbs_domain(opts);
+    if (!d) return d.error();
+    return domain(std::move(*d));
+  }
+  if (opts.kind == transport_kind::local) {  // never chosen automatically (yet)
+    auto d = detail::make_local_domain(opts);
     if (!d) return d.error();
     return domain(std::move(*d));
   }

@@ -1,0 +1,144 @@
+// The local provider's domain: registrations (the engine's rkeys, from
+// getrandom; a key-table word for those inside a shared block), connect
+// and listen.
+#include "connection.hpp"
+#include "domain_state.hpp"
+#include "listener.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace shuttle::detail::local_provider {
+
+result<std::unique_ptr<key_table>> key_table::create() {
+  auto fd = make_sealed_memfd("shuttle-local-keys", local_wire::key_table_bytes);
+  if (!fd) return fd.error();
+  std::unique_ptr<key_table> t(new key_table);
+  t->fd_ = *fd;
+  void* p = ::mmap(nullptr, local_wire::key_table_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+  if (p == MAP_FAILED) return errno_code(errno);
+  t->words_ = static_cast<std::uint64_t*>(p);
+  t->free_.reserve(local_wire::key_slots);
+  for (std::uint32_t i = local_wire::key_slots; i > 0; --i) t->free_.push_back(i - 1);
+  return t;
+}
+
+key_table::~key_table() {
+  if (words_) ::munmap(words_, local_wire::key_table_bytes);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+local_region::~local_region() {
+  if (block) {
+    dom->keys->clear(slot);  // from now on, peers' direct accesses are refused
+    if (auto it = dom->shared.find(rkey); it != dom->shared.end() && it->second.expired()) dom->shared.erase(it);
+  }
+  auto it = dom->cache.find({reinterpret_cast<std::uintptr_t>(addr), length, access});
+  if (it != dom->cache.end() && it->second.expired()) dom->cache.erase(it);
+  // `engine` goes next: the socket's accesses are refused too.
+}
+
+namespace {
+
+result<void> check_options(const connection_options& o) {
+  if (o.shared_receive_queue) return make_error_code(errc::not_supported);
+  if (o.send_queue_depth == 0 || o.receive_buffers == 0 || o.receive_buffers > tp::max_receive_buffers ||
+      o.receive_buffer_size == 0 || o.receive_buffer_size > tp::max_receive_buffer_size)
+    return std::make_error_code(std::errc::invalid_argument);
+  return {};
+}
+
+class local_domain final : public domain_impl {
+ public:
+  explicit local_domain(std::shared_ptr<domain_state> st) noexcept : st_(std::move(st)) {}
+  transport_kind kind() const noexcept override { return transport_kind::local; }
+  std::string describe() const override {
+    return "local (same host: Unix socket, shared memfd regions mapped by the peer; tcp wire protocol v" +
+           std::to_string(tp::protocol_version) + " on the socket)";
+  }
+
+  result<memory_region> register_memory(std::span<std::byte> mem, unsigned flags) override {
+    if (mem.empty() || (flags & ~access::all) != 0) return std::make_error_code(std::errc::invalid_argument);
+    if ((flags & (access::remote_write | access::remote_atomic)) && !(flags & access::local_write))
+      return std::make_error_code(std::errc::invalid_argument);
+    domain_state::cache_key key{reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), flags};
+    if (auto it = st_->cache.find(key); it != st_->cache.end()) {
+      if (auto r = it->second.lock()) return memory_region(std::move(r));
+    }
+    auto rkey = st_->engine->new_key();
+    if (!rkey) return rkey.error();
+    auto e = std::make_shared<tp::tcp_region>();
+    e->dom = st_->engine;
+    e->addr = mem.data();
+    e->length = mem.size();
+    e->access = flags;
+    e->rkey = e->lkey = *rkey;
+    auto r = std::make_shared<local_region>();
+    r->dom = st_;
+    r->addr = mem.data();
+    r->length = mem.size();
+    r->access = flags;
+    r->rkey = r->lkey = *rkey;
+    r->engine = e;
+    st_->engine->table[*rkey] = e;
+    // Inside a shared block, with a word free: peers may map it.
+    if (auto b = find_shared_block(mem.data(), mem.size())) {
+      if (auto slot = st_->keys->take()) {
+        r->block = std::move(b);
+        r->slot = *slot;
+        st_->keys->set(*slot, *rkey);
+        st_->shared[*rkey] = r;
+      }
+    }
+    st_->cache[key] = r;
+    return memory_region(std::move(r));
+  }
+
+  task<result<connection>> connect(endpoint remote, connection_options opts) override {
+    if (auto c = check_options(opts); !c) return fail(c.error());
+    auto name = socket_name(remote);
+    if (!name) return fail(name.error());
+    return connect_impl(st_, remote, *name, opts);
+  }
+
+  result<listener> listen(endpoint local, connection_options opts, listener_options limits) override {
+    if (auto c = check_options(opts); !c) return c.error();
+    return local_provider::listen(st_, local, opts, limits);
+  }
+
+ private:
+  static task<result<connection>> fail(std::error_code ec) { co_return ec; }
+  static task<result<connection>> connect_impl(std::shared_ptr<domain_state> dom, endpoint remote, endpoint name,
+                                               connection_options opts) {
+    auto start = shuttle::clock::now();
+    auto sock = co_await tcp_socket::connect(name, opts.connect_timeout);
+    if (!sock) co_return sock.error();
+    auto left = opts.connect_timeout - std::chrono::duration_cast<std::chrono::milliseconds>(shuttle::clock::now() - start);
+    auto s = co_await with_timeout(handshake(*sock, dom, opts, local_wire::role::connector),
+                                   std::max(left, std::chrono::milliseconds(1)));
+    if (!s) co_return tp::handshake_error(s.error());
+    ext_of(**s).named = remote;
+    (*s)->start();
+    co_return make_local_connection(std::move(*s));
+  }
+
+  std::shared_ptr<domain_state> st_;
+};
+
+}  // namespace
+
+}  // namespace shuttle::detail::local_provider
+
+namespace shuttle::detail {
+
+result<std::shared_ptr<domain_impl>> make_local_domain(const domain_options&) {
+  auto st = std::make_shared<local_provider::domain_state>();
+  auto keys = local_provider::key_table::create();
+  if (!keys) return keys.error();
+  st->keys = std::move(*keys);
+  return std::shared_ptr<domain_impl>(std::make_shared<local_provider::local_domain>(std::move(st)));
+}
+
+}  // namespace shuttle::detail

@@ -1,0 +1,78 @@
+// The local provider's own messages, next to the tcp engine's frames
+// (lib/tcp_provider/wire.hpp) that carry everything else:
+//
+//  - the local hello, the first bytes on the Unix socket from each side
+//    (before the engine's hello), with descriptors (SCM_RIGHTS): each side's
+//    key table (a sealed memfd: one word per shared region, its rkey while
+//    registered, 0 once not), and from the connecting side one end of a
+//    SOCK_SEQPACKET pair: the connection's service channel;
+//  - on the service channel, a query for an rkey ("can I map it?") and its
+//    answer: refused, or the region (address, length, rights, key slot) and
+//    where it lies in the memory handle passed with it (kind, offset).
+//
+// Pure (bytes in, values out), so that the tests feed it garbage directly.
+#pragma once
+
+#include "shared_memory.hpp"
+
+#include <shuttle/result.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace shuttle::detail::local_wire {
+
+inline constexpr std::uint32_t hello_magic = 0x4F4C4853;  // "SHLO" little-endian
+inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::size_t hello_size = 16;
+// Words in a key table: zero-copy registrations a domain holds at once (past
+// it, a registration is accessed through the socket only).
+inline constexpr std::uint32_t key_slots = 4096;
+inline constexpr std::size_t key_table_bytes = key_slots * sizeof(std::uint64_t);
+
+enum class role : std::uint8_t { connector = 1, acceptor = 2 };
+
+struct hello {
+  std::uint16_t version = protocol_version;
+  role from = role::connector;
+  std::uint32_t slots = key_slots;
+  // Descriptors that come with it: the key table, and from the connector the service channel.
+  std::size_t fds() const noexcept { return from == role::connector ? 2 : 1; }
+};
+void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept;
+// not_a_shuttle_peer on a bad magic, wire_version_mismatch on another
+// version, protocol_error on anything else out of place.
+result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept;
+
+enum class msg_type : std::uint32_t { query = 1, answer = 2 };
+inline constexpr std::size_t query_size = 8;
+inline constexpr std::size_t answer_size = 48;
+inline constexpr std::size_t max_message = answer_size;
+
+struct answer {
+  std::uint32_t rkey = 0;
+  bool ok = false;  // else refused: not a region we share (unknown, not in a block, no remote rights)
+  shared_kind kind = shared_kind::host_memfd;
+  std::uint64_t addr = 0;    // the region's address at the target (remote_buffer::address)
+  std::uint64_t length = 0;  // its length
+  std::uint64_t offset = 0;  // where it starts in the memory handle passed along
+  std::uint32_t access = 0;  // access:: rights
+  std::uint32_t slot = 0;    // its word in the target's key table
+};
+
+void encode_query(std::uint32_t rkey, std::span<std::byte, query_size> out) noexcept;
+void encode_answer(const answer& a, std::span<std::byte, answer_size> out) noexcept;
+
+// One service message, decoded: a query's rkey, or an answer.
+struct message {
+  msg_type type = msg_type::query;
+  std::uint32_t rkey = 0;
+  answer ans{};
+};
+// protocol_error for anything that is not exactly one well-formed message
+// (a wrong size for its type, an unknown type or kind, a range that wraps,
+// a slot past the table, rights that are not remote ones).
+result<message> decode_message(std::span<const std::byte> in) noexcept;
+
+}  // namespace shuttle::detail::local_wire
