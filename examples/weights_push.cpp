@@ -3,17 +3,23 @@
 //
 //   disk --read_into--> GPU (sender) --staged channel, tcp provider--> GPU (receiver)
 //
-// A reader coroutine reads the file in pieces (`--piece-mib`, each one
-// read_into with its chunks in flight); after each piece it raises a
-// stream_flag. The staged sender's producer for chunk i makes the stream
-// wait on that flag (cuStreamWaitValue32), then checksums the chunk on the
-// GPU: the chunk goes on the wire as soon as its piece has landed, while
-// the next piece is read. The receiver checksums every chunk on its GPU
-// after the chunk's copy; every chunk's two checksums are compared, and
-// against the file's known pattern when the file is the example's own.
-// Then the two bounds are measured alone (the file read into the GPU cold,
-// the transfer of GPU memory already loaded) and the pipelined run is
-// reported against min(disk, network).
+// The file is read in pieces (`--piece-mib`, each one read_into with its
+// chunks in flight); piece p goes on the wire (one staged transfer, its
+// chunks checksummed on the sender's GPU by the producer) while piece p+1
+// is read. The receiver checksums every chunk on its GPU after the chunk's
+// copy; every chunk's two checksums are compared, and against the file's
+// known pattern when the file is the example's own. Then the two bounds are
+// measured alone (the file read into the GPU cold, the transfer of GPU
+// memory already loaded) and the pipelined run is reported against
+// min(disk, network). Each phase is announced on stderr as it starts.
+//
+// The pieces are handed over on the host, when read_into completes: an
+// earlier version made the producer's stream wait on a host-set flag
+// (cuStreamWaitValue32) for data still being read. That wait is invisible
+// to CUDA, and a stream blocked on it holds up whatever streams share its
+// hardware queue (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) -- here the
+// read's own copies once enough streams exist -- so the flag was never set
+// (the run hung on the H100, 2026-12-05).
 //
 //   shuttle-weights-push [FILE] [--mib 2048] [--piece-mib 64] [--chunk-kib 2048]
 //
@@ -27,6 +33,7 @@
 #include <shuttle/transport.hpp>
 
 #include "cli.hpp"
+#include "crash_trace.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -43,9 +50,15 @@ constexpr std::uint32_t seed = 0x5eed;
 namespace {
 double since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
 
-// Writes `bytes` of the pattern (kernels::pattern_byte) to `path`.
+const clk::time_point t_start = clk::now();
+// A phase line on stderr (unbuffered): what a run killed by a timeout reached.
+void phase(const char* what) { std::fprintf(stderr, "[%7.2f s] %s\n", since(t_start), what); }
+
+// Writes `bytes` of the pattern (kernels::pattern_byte) to `path`, through
+// a temporary name: a run killed while writing leaves no short file behind.
 bool make_file(const std::string& path, std::size_t bytes) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const std::string tmp = path + ".part";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return false;
   std::vector<std::uint8_t> buf(8 << 20);
   for (std::size_t done = 0; done < bytes;) {
@@ -59,7 +72,7 @@ bool make_file(const std::string& path, std::size_t bytes) {
   }
   bool ok = ::fsync(fd) == 0;
   ::close(fd);
-  return ok;
+  return ok && ::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
 void drop_cache(const std::string& path) {
@@ -82,6 +95,8 @@ int main(int argc, char** argv) {
   app.add_option("--piece-mib", piece_mib, "MiB per read_into (default 64)")->transform(cli::count(1, 1u << 14));
   app.add_option("--chunk-kib", chunk_kib, "KiB per network chunk (default 2048)")->transform(cli::count(4, 1u << 20));
   cli::parse(app, argc, argv);
+  crash_trace::install();
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe as they are printed
   if (cuda::device_count() == 0) {
     std::puts("no CUDA device");
     return 77;
@@ -89,6 +104,7 @@ int main(int argc, char** argv) {
   bool own = false;
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
+    phase(("creating " + path + " (" + std::to_string(mib) + " MiB)").c_str());
     if (!make_file(path, mib << 20)) {
       std::perror(("creating " + path).c_str());
       return 1;
@@ -96,6 +112,7 @@ int main(int argc, char** argv) {
     own = true;
   }
   io_context ctx;
+  phase("opening the file");
   auto f = cuda::gpu_file::open(path);
   if (!f) {
     std::fprintf(stderr, "open %s: %s\n", path.c_str(), f.error().message().c_str());
@@ -103,10 +120,11 @@ int main(int argc, char** argv) {
   }
   const std::size_t len = f->size().value();
   const std::size_t chunk = chunk_kib << 10, piece = std::max(piece_mib << 20, chunk) / chunk * chunk;
-  const std::size_t chunks = (len + chunk - 1) / chunk;
+  const std::size_t chunks = (len + chunk - 1) / chunk, pieces = (len + piece - 1) / piece;
   std::printf("weights_push: %s, %zu MiB, %s\n  engine: %s\n", path.c_str(), len >> 20,
               cuda::describe_device(0).c_str(), f->note().c_str());
 
+  phase("connecting sender and receiver (tcp provider, loopback)");
   domain_options dopt;
   dopt.kind = transport_kind::tcp;
   auto sd = domain::open(dopt).value();
@@ -115,53 +133,62 @@ int main(int argc, char** argv) {
   auto ep = endpoint::parse("127.0.0.1:" + std::to_string(l.local_endpoint()->port())).value();
   auto [server, client] = ctx.run(when_all(l.accept(), cd.connect(ep)));
   connection rx = std::move(server).value(), tx = std::move(client).value();
+  phase("opening the staged channel");
   cuda::staged_options o;
   o.chunk = chunk;
   auto [r, s] = ctx.run(when_all(cuda::gpu_receiver::open(rx, sd, o), cuda::gpu_sender::open(tx, cd)));
   auto rcv = std::move(r).value();
   auto snd = std::move(s).value();
 
+  phase("allocating GPU memory");
   cuda::stream s_prod, s_cons;
   cuda::device_buffer src(len), dst(len);
   unsigned long long *sums = nullptr;  // sent sums, then received sums
   cuda::check(cudaMalloc(reinterpret_cast<void**>(&sums), 2 * chunks * 8), "cudaMalloc");
   cuda::check(cudaMemset(sums, 0, 2 * chunks * 8), "cudaMemset");
-  cuda::stream_flag loaded;  // chunks of the file in GPU memory so far
-  loaded.set(0);
 
-  // The pipelined run: the reader raises `loaded` piece by piece.
+  // The pipelined run: piece p is sent while piece p+1 is read.
   std::error_code read_error;
-  auto reader = [&]() -> task<void> {
-    for (std::size_t off = 0; off < len; off += piece) {
-      std::size_t n = std::min(piece, len - off);
-      auto got = co_await f->read_into({src.data() + off, n}, off);
-      if (!got || *got != n) {
-        read_error = got ? make_error_code(errc::eof) : got.error();
-        co_return;
-      }
-      loaded.set(static_cast<std::uint32_t>(std::min(chunks, (off + n + chunk - 1) / chunk)));
+  auto read_piece = [&](std::size_t p) -> task<void> {
+    if (p >= pieces || read_error) co_return;
+    const std::size_t off = p * piece, n = std::min(piece, len - off);
+    auto got = co_await f->read_into({src.data() + off, n}, off);
+    if (!got || *got != n) read_error = got ? make_error_code(errc::eof) : got.error();
+  };
+  result<void> a{}, b{};
+  auto pipeline = [&]() -> task<void> {
+    co_await read_piece(0);
+    for (std::size_t p = 0; p < pieces && !read_error && a && b; ++p) {
+      const std::size_t base = p * piece, n = std::min(piece, len - base);
+      // off is relative to the piece; a chunk's sum sits at its index in the file.
+      auto produce = [&, base](std::size_t, std::size_t off, std::size_t sz, cudaStream_t st) {
+        cuda::check(cuda::kernels::checksum(src.data() + base + off, sz, base + off, sums + (base + off) / chunk, st),
+                    "checksum");
+      };
+      auto consume = [&, base](std::size_t, std::size_t off, std::size_t sz, cudaStream_t st) {
+        cuda::check(cuda::kernels::checksum(dst.data() + base + off, sz, base + off,
+                                            sums + chunks + (base + off) / chunk, st),
+                    "checksum");
+      };
+      auto [x, y, z] = co_await when_all(snd.send(src.data() + base, n, s_prod, produce),
+                                         rcv.recv(dst.data() + base, n, s_cons, consume), read_piece(p + 1));
+      (void)z;
+      a = std::move(x);
+      b = std::move(y);
     }
   };
-  bool flag_ok = true;
-  auto produce = [&](std::size_t i, std::size_t off, std::size_t n, cudaStream_t st) {
-    flag_ok = flag_ok && loaded.enqueue_wait(st, static_cast<std::uint32_t>(i + 1)).has_value();
-    cuda::check(cuda::kernels::checksum(src.data() + off, n, off, sums + i, st), "checksum");
-  };
-  auto consume = [&](std::size_t i, std::size_t off, std::size_t n, cudaStream_t st) {
-    cuda::check(cuda::kernels::checksum(dst.data() + off, n, off, sums + chunks + i, st), "checksum");
-  };
   drop_cache(path);
+  phase("pipelined run: disk -> GPU -> network");
   auto t0 = clk::now();
-  auto [a, b, c] = ctx.run(when_all(snd.send(src.data(), len, s_prod, produce),
-                                    rcv.recv(dst.data(), len, s_cons, consume), reader()));
+  ctx.run(pipeline());
   ctx.run([&]() -> task<void> { (void)co_await cuda::wait(s_cons.get()); }());
   const double t_pipe = since(t0);
-  if (!a || !b || read_error || !flag_ok) {
-    std::fprintf(stderr, "push failed: send %s, recv %s, read %s%s\n", a ? "ok" : a.error().message().c_str(),
-                 b ? "ok" : b.error().message().c_str(), read_error ? read_error.message().c_str() : "ok",
-                 flag_ok ? "" : ", stream wait on the flag refused");
+  if (!a || !b || read_error) {
+    std::fprintf(stderr, "push failed: send %s, recv %s, read %s\n", a ? "ok" : a.error().message().c_str(),
+                 b ? "ok" : b.error().message().c_str(), read_error ? read_error.message().c_str() : "ok");
     return 1;
   }
+  phase("comparing checksums");
   std::vector<unsigned long long> h(2 * chunks);
   cuda::check(cudaMemcpy(h.data(), sums, h.size() * 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
   std::size_t bad = 0, bad_ref = 0;
@@ -173,13 +200,16 @@ int main(int argc, char** argv) {
 
   // The bounds alone: the file read into the GPU cold; the loaded GPU memory sent.
   drop_cache(path);
+  phase("disk -> GPU alone (cold)");
   t0 = clk::now();
   auto whole = ctx.run(f->read_into({src.data(), len}, 0));
   const double t_disk = since(t0);
+  phase("GPU -> network alone");
   t0 = clk::now();
   auto [a2, b2] = ctx.run(when_all(snd.send(src.data(), len, s_prod), rcv.recv(dst.data(), len, s_cons)));
   ctx.run([&]() -> task<void> { (void)co_await cuda::wait(s_cons.get()); }());
   const double t_net = since(t0);
+  phase("closing");
   ctx.run([&]() -> task<void> {
     (void)co_await tx.close();
     (void)co_await rx.close();

@@ -9,12 +9,15 @@
 // FILE is (re)written with a pattern when missing or of another size. Each
 // read starts cold: posix_fadvise(DONTNEED) on the file (O_DIRECT reads
 // bypass the cache anyway). The first 64 MiB of every GPU copy are checked
-// against the pattern. Targets (issue #32): uring >= 0.9 of dd, >= 1.3x
+// against the pattern. Each phase is announced on stderr as it starts, and a
+// crash prints a backtrace (examples/crash_trace.hpp). Targets (issue #32): uring >= 0.9 of dd, >= 1.3x
 // the naive loop, loop thread < 30% busy.
 #include <shuttle/cuda/cuda.hpp>
 #include <shuttle/cuda/gpu_file.hpp>
 #include <shuttle/cuda/kernels.hpp>
 #include <shuttle/shuttle.hpp>
+
+#include "../../examples/crash_trace.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -35,6 +38,10 @@ constexpr std::uint32_t seed = 0xbe;
 namespace {
 double since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
 
+const clk::time_point t_start = clk::now();
+// A phase line on stderr (unbuffered): what a run that crashed or was killed reached.
+void phase(const std::string& what) { std::fprintf(stderr, "[%7.2f s] %s\n", since(t_start), what.c_str()); }
+
 double thread_cpu() {
   rusage u{};
   ::getrusage(RUSAGE_THREAD, &u);
@@ -52,7 +59,7 @@ void drop_cache(const std::string& path) {
 bool make_file(const std::string& path, std::size_t bytes) {
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && static_cast<std::size_t>(st.st_size) == bytes) return true;
-  std::printf("writing %s (%zu MiB)...\n", path.c_str(), bytes >> 20);
+  phase("writing " + path + " (" + std::to_string(bytes >> 20) + " MiB)");
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return false;
   std::vector<std::uint8_t> buf(16 << 20);
@@ -79,6 +86,7 @@ bool head_ok(const cuda::device_buffer& d, std::size_t len) {
 
 // pread into pinned memory, then cudaMemcpy, chunk after chunk.
 double naive(const std::string& path, bool direct, cuda::device_buffer& d, std::size_t len, bool& ok) {
+  phase(std::string("naive pread+cudaMemcpy loop, ") + (direct ? "O_DIRECT" : "buffered"));
   drop_cache(path);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
   if (fd < 0) return ok = false, 0;
@@ -113,13 +121,16 @@ struct engine_run {
 };
 
 engine_run run_engine(io_context& ctx, const std::string& path, cuda::file_options o, cuda::device_buffer& d,
-                      std::size_t len) {
+                      std::size_t len, const char* name) {
+  phase(std::string("gpu_file ") + name + ": open");
   engine_run r;
   auto f = cuda::gpu_file::open(path, false, o);
   if (!f) return r.note = f.error().message(), r;
   // A first small read makes the bounce buffers (pinned, registered) outside the timing.
+  phase(std::string("gpu_file ") + name + ": first 4 KiB (" + f->note() + ")");
   (void)ctx.run(f->read_into({d.data(), 4096}, 0));
   drop_cache(path);
+  phase(std::string("gpu_file ") + name + ": timed read");
   double c0 = thread_cpu();
   auto t0 = clk::now();
   auto n = ctx.run(f->read_into({d.data(), len}, 0));
@@ -139,6 +150,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: gpu_file_bench [FILE] [GiB 1..64]\n");
     return 2;
   }
+  crash_trace::install();
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe as they are printed
+  phase("looking for a CUDA device");
   if (cuda::device_count() == 0) {
     std::puts("no CUDA device");
     return 77;
@@ -149,10 +163,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("gpu_file_bench: %s, %zu GiB, %s\n", path.c_str(), gib, cuda::describe_device(0).c_str());
+  phase("allocating " + std::to_string(gib) + " GiB of GPU memory");
   cuda::device_buffer d(len);
   io_context ctx;
 
   drop_cache(path);
+  phase("dd iflag=direct");
   auto t0 = clk::now();
   std::string cmd = "dd if='" + path + "' of=/dev/null bs=16M iflag=direct status=none";
   int rc = std::system(cmd.c_str());
@@ -164,13 +180,14 @@ int main(int argc, char** argv) {
 
   cuda::file_options uo;
   uo.engine = cuda::file_options::engine_choice::uring;
-  engine_run u = run_engine(ctx, path, uo, d, len);
+  engine_run u = run_engine(ctx, path, uo, d, len, "uring O_DIRECT");
   cuda::file_options bo = uo;
   bo.direct = false;
-  engine_run ub = run_engine(ctx, path, bo, d, len);
+  engine_run ub = run_engine(ctx, path, bo, d, len, "uring buffered");
   cuda::file_options co;
   co.engine = cuda::file_options::engine_choice::cufile;
-  engine_run c = run_engine(ctx, path, co, d, len);
+  engine_run c = run_engine(ctx, path, co, d, len, "cufile");
+  phase("report");
   const bool cufile_ran = c.note.rfind("cufile", 0) == 0;
 
   auto gbs = [&](double t) { return t > 0 ? double(len) / t / 1e9 : 0.0; };
@@ -196,5 +213,7 @@ int main(int argc, char** argv) {
   if (cufile_ran)
     std::printf("ratios (cufile): %.2f of dd, %.2fx naive direct, loop thread %.1f%% busy\n", t_dd / c.secs,
                 t_nd / c.secs, 100 * c.busy);
-  return (u.ok && ub.ok && ok_nd && ok_nb && (!cufile_ran || c.ok)) ? 0 : 1;
+  const int status = (u.ok && ub.ok && ok_nd && ok_nb && (!cufile_ran || c.ok)) ? 0 : 1;
+  phase("exiting");  // a crash after this line is in a destructor or at exit
+  return status;
 }

@@ -49,6 +49,7 @@ struct descr_t {  // CUfileDescr_t
 using handle_t = void*;  // CUfileHandle_t
 
 constexpr int param_allow_compat_mode = 1;  // CUFILE_PARAM_PROPERTIES_ALLOW_COMPAT_MODE
+constexpr int param_force_compat_mode = 2;  // CUFILE_PARAM_FORCE_COMPAT_MODE
 
 struct drv_props_t {  // CUfileDrvProps_t
   struct {
@@ -99,6 +100,7 @@ struct driver_state {
   bool ok = false;
   bool nvfs = false;  // the nvidia-fs module is loaded (true GDS; else compatibility mode at best)
   std::string why;
+  std::string params;  // SHUTTLE_CUFILE_COMPAT's cuFileSetParameterBool calls that failed
 };
 const driver_state& driver();
 

@@ -119,12 +119,20 @@ const driver_state& driver() {
       st.why = std::string("no CUDA context: ") + cudaGetErrorString(e);
       return;
     }
-    const char* compat = std::getenv("SHUTTLE_CUFILE_COMPAT");
-    if (compat && std::string(compat) == "1" && fns.set_parameter_bool)
-      (void)fns.set_parameter_bool(param_allow_compat_mode, true);  // before cuFileDriverOpen, as it must be
+    // Before cuFileDriverOpen, as it must be. "force": POSIX I/O even where
+    // cuFile would try another path (a kernel with PCI P2PDMA but a device
+    // that cannot do it registers nothing otherwise).
+    const std::string compat = std::getenv("SHUTTLE_CUFILE_COMPAT") ? std::getenv("SHUTTLE_CUFILE_COMPAT") : "";
+    if ((compat == "1" || compat == "force") && fns.set_parameter_bool) {
+      if (status p = fns.set_parameter_bool(param_allow_compat_mode, true); p.err != success)
+        st.params = "cuFileSetParameterBool(allow_compat_mode): " + describe(p);
+      if (compat == "force")
+        if (status p = fns.set_parameter_bool(param_force_compat_mode, true); p.err != success)
+          st.params += (st.params.empty() ? "" : "; ") + ("cuFileSetParameterBool(force_compat_mode): " + describe(p));
+    }
     status s = fns.driver_open();
     if (s.err != success) {
-      st.why = "cuFileDriverOpen: " + describe(s);
+      st.why = "cuFileDriverOpen: " + describe(s) + (st.params.empty() ? "" : " (" + st.params + ")");
       return;
     }
     st.ok = true;
@@ -218,6 +226,7 @@ bool cufile_attach(gpu_file::impl& f, std::string& why) {
   if (s.err != success) {
     f.cufile_handle = nullptr;
     why = "cuFileHandleRegister: " + describe(s);
+    if (!d.params.empty()) why += " (" + d.params + ")";
     if (!d.nvfs)
       why += "; nvidia-fs is not loaded: enable cuFile's compatibility mode (docs/gpu-file.md)";
     return false;

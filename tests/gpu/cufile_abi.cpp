@@ -41,6 +41,7 @@ static_assert(int{cf::handle_not_registered} == int{CU_FILE_HANDLE_NOT_REGISTERE
 static_assert(int{cf::internal_error} == int{CU_FILE_INTERNAL_ERROR});
 static_assert(int{cf::async_not_supported} == int{CU_FILE_ASYNC_NOT_SUPPORTED});
 static_assert(cf::param_allow_compat_mode == int{CUFILE_PARAM_PROPERTIES_ALLOW_COMPAT_MODE});
+static_assert(cf::param_force_compat_mode == int{CUFILE_PARAM_FORCE_COMPAT_MODE});
 
 // The entry points: the same parameters (the structs above stand for
 // theirs), the same return layout.

@@ -7,8 +7,12 @@
 #
 # Runs: the cuFile declarations against the machine's cufile.h (where a
 # C++ compiler is there), shuttle-info, the gpu-file tests without and with
-# cuFile's compatibility mode, weights_push on each engine, and the 4 GiB
-# cold-cache bench. Files go to $GPU_FILE_DIR (default /var/tmp, the disk).
+# cuFile's compatibility mode, weights_push (512 MiB) on each engine, and
+# the 2 GiB cold-cache bench: about 5 minutes at most. Files go to
+# $GPU_FILE_DIR (default /var/tmp, the disk). Every binary runs with stdout
+# line-buffered, core dumps off, and its own backtrace on a crash (glibc
+# 2.39 has no catchsegv; examples/crash_trace.hpp prints the executable
+# base and raw addresses: addr2line -f -C -e build/<binary> ADDR-BASE here).
 # Writes $OUT/gpu-file.log (and stdout), ending "=== overall: PASS|FAIL".
 D=${1:-.device/gpu-file}
 LOG=${OUT:-/tmp}/gpu-file.log
@@ -17,11 +21,14 @@ mkdir -p "$W" "$(dirname "$LOG")"
 exec > >(tee "$LOG") 2>&1
 set -o pipefail
 fail=0
+ulimit -c 0
+LINEBUF=()
+command -v stdbuf >/dev/null && LINEBUF=(stdbuf -oL -eL)
 step() {  # step NAME TIMEOUT CMD...: runs CMD, records its status
   local name=$1 t=$2
   shift 2
-  echo "=== $name"
-  timeout "$t" "$@"
+  echo "=== $name ($(date -u +%T))"
+  timeout -k 10 "$t" "${LINEBUF[@]}" "$@"
   local rc=$?
   echo "=== $name rc=$rc"
   [ $rc -ne 0 ] && fail=1
@@ -33,12 +40,28 @@ echo "nvidia modules: $(grep -o '^nvidia[_a-z]*' /proc/modules | tr '\n' ' ')"
 df -h "$W" | tail -1
 
 # cuFile's compatibility mode (no nvidia-fs here): a cufile.json of our own.
-cat > "$W/cufile.json" <<'JSON'
+# CUFILE_ENV_PATH_JSON replaces /etc/cufile.json as a whole, so start from
+# that file (its structure: logging, profile, execution, properties, fs,
+# ...) and change only properties.allow_compat_mode and the log level; a
+# file of two keys may not be taken. cuFile's log goes to $CUFILE_LOGFILE_PATH.
+CUFILE_LOG=${OUT:-/tmp}/cufile.log
+if [ -f /etc/cufile.json ]; then
+  sed -e 's/"allow_compat_mode"[[:space:]]*:[[:space:]]*[a-z]*/"allow_compat_mode": true/' \
+      -e '0,/"level"[[:space:]]*:/s/"level"[[:space:]]*:[[:space:]]*"[A-Z]*"/"level": "INFO"/' \
+      /etc/cufile.json > "$W/cufile.json"
+  grep -q '"allow_compat_mode": true' "$W/cufile.json" || echo "note: /etc/cufile.json has no allow_compat_mode key"
+else
+  cat > "$W/cufile.json" <<'JSON'
 {
-  "logging": { "level": "ERROR" },
+  "logging": { "level": "INFO" },
   "properties": { "allow_compat_mode": true }
 }
 JSON
+fi
+echo "cufile.json used for compatibility mode: $(grep -E '"(allow_compat_mode|level|use_pci_p2pdma|force_compat_mode)"' "$W/cufile.json" | tr -s ' ' | tr '\n' ' ')"
+COMPAT=(env CUFILE_ENV_PATH_JSON="$W/cufile.json" CUFILE_LOGFILE_PATH="$CUFILE_LOG")
+# The same through the API (cuFileSetParameterBool before cuFileDriverOpen).
+FORCE=(env SHUTTLE_CUFILE_COMPAT=force CUFILE_LOGFILE_PATH="$CUFILE_LOG")
 
 if [ -f /usr/local/cuda/include/cufile.h ] && command -v c++ >/dev/null; then
   step "cufile.h ABI check" 120 c++ -std=c++20 -Wall -Wextra -Werror -fsyntax-only -isystem /usr/local/cuda/include \
@@ -49,22 +72,28 @@ fi
 
 step "shuttle-info" 60 "$D/shuttle-info"
 step "shuttle-info, SHUTTLE_FILE_ENGINE=cufile, compatibility mode" 60 \
-  env SHUTTLE_FILE_ENGINE=cufile CUFILE_ENV_PATH_JSON="$W/cufile.json" "$D/shuttle-info"
+  "${COMPAT[@]}" SHUTTLE_FILE_ENGINE=cufile "$D/shuttle-info"
 
 # Without the json cuFile's registration fails (5027): only uring runs, and
 # the fallback note is printed.
 step "test_gpu_file (default cuFile config)" 150 env TMPDIR="$W" "$D/test_gpu_file"
-step "test_gpu_file (cuFile compatibility mode)" 150 \
-  env TMPDIR="$W" CUFILE_ENV_PATH_JSON="$W/cufile.json" "$D/test_gpu_file"
+step "test_gpu_file (cuFile compatibility mode, cufile.json)" 150 \
+  "${COMPAT[@]}" TMPDIR="$W" "$D/test_gpu_file"
+step "test_gpu_file (cuFile compatibility mode forced, SHUTTLE_CUFILE_COMPAT=force)" 150 \
+  "${FORCE[@]}" TMPDIR="$W" "$D/test_gpu_file"
+echo "=== cuFile log ($CUFILE_LOG), last 40 lines"
+tail -n 40 "$CUFILE_LOG" 2>/dev/null || echo "(none written)"
 
 rm -f "$W/weights.dat"
-step "weights_push, engine auto" 150 "$D/shuttle-weights-push" "$W/weights.dat" --mib 2048
-step "weights_push, engine cufile (compatibility mode)" 150 \
-  env SHUTTLE_FILE_ENGINE=cufile CUFILE_ENV_PATH_JSON="$W/cufile.json" "$D/shuttle-weights-push" "$W/weights.dat"
-rm -f "$W/weights.dat"
+step "weights_push, engine auto" 90 "$D/shuttle-weights-push" "$W/weights.dat" --mib 512
+step "weights_push, engine cufile (compatibility mode)" 90 \
+  "${COMPAT[@]}" SHUTTLE_FILE_ENGINE=cufile "$D/shuttle-weights-push" "$W/weights.dat"
+rm -f "$W/weights.dat" "$W/weights.dat.part"
 
-step "gpu_file_bench 4 GiB" 240 env CUFILE_ENV_PATH_JSON="$W/cufile.json" "$D/gpu_file_bench" "$W/bench.dat" 4
+step "gpu_file_bench 2 GiB" 120 "${COMPAT[@]}" "$D/gpu_file_bench" "$W/bench.dat" 2
 rm -f "$W/bench.dat"
+echo "=== cuFile log ($CUFILE_LOG), last 20 lines"
+tail -n 20 "$CUFILE_LOG" 2>/dev/null || echo "(none written)"
 
 if [ $fail -eq 0 ]; then echo "=== overall: PASS"; else echo "=== overall: FAIL"; fi
 exit $fail
