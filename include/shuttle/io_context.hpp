@@ -104,14 +104,6 @@ class io_context : private detail::uring_backend {
   // this loop (SQEs, cancellation, the ring, orphans, pollers):
   // detail/uring_backend.hpp.
   detail::uring_backend& backend() noexcept { return *this; }
-  // lib/verbs still calls these on the context; they go once it calls
-  // backend() too (issue 28, point 4).
-  using detail::uring_backend::add_poller;
-  using detail::uring_backend::adopt_orphan;
-  using detail::uring_backend::forget_orphan;
-  using detail::uring_backend::get_sqe;
-  using detail::uring_backend::remove_poller;
-  using detail::uring_backend::submit_cancel;
 
   // Loop thread only. Puts `fd` in a free slot of the ring's file table
   // (tcp_socket::register_file uses it); the slot holds a reference to the

@@ -18,7 +18,7 @@ class fd_watch : public orphan_op {
   void arm(io_context& ctx) {
     if (armed_ || orphan_) return;
     ctx_ = &ctx;
-    io_uring_sqe* sqe = ctx.get_sqe();
+    io_uring_sqe* sqe = ctx.backend().get_sqe();
     io_uring_prep_poll_add(sqe, fd_, POLLIN);
     io_uring_sqe_set_data(sqe, static_cast<io_op*>(this));
     armed_ = true;
@@ -26,8 +26,8 @@ class fd_watch : public orphan_op {
   void destroy() noexcept {
     if (armed_) {
       orphan_ = true;
-      ctx_->submit_cancel(this);
-      ctx_->adopt_orphan(this);
+      ctx_->backend().submit_cancel(this);
+      ctx_->backend().adopt_orphan(this);
     } else {
       delete this;
     }
@@ -38,7 +38,7 @@ class fd_watch : public orphan_op {
     auto* self = static_cast<fd_watch*>(op);
     self->armed_ = false;
     if (self->orphan_) {
-      self->ctx_->forget_orphan(self);
+      self->ctx_->backend().forget_orphan(self);
       delete self;
       return;
     }

@@ -45,6 +45,7 @@
 #include "fd_watch.hpp"
 #include "registration.hpp"
 #include "device.hpp"
+#include <shuttle/detail/loop_cancel.hpp>
 #include <shuttle/io_context.hpp>
 #include <shuttle/sync.hpp>
 #include <shuttle/timer.hpp>
@@ -243,7 +244,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   void flush_reposts() noexcept;
 
   ~core() override {
-    if (loop) loop->remove_poller(*this);
+    if (loop) loop->backend().remove_poller(*this);
     if (cq_watch) cq_watch->destroy();
     op_owned.reset();
     // Every QP is gone (each held a reference to this core): the SRQ can go.
@@ -262,7 +263,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   void attach() {
     if (loop) return;
     loop = &io_context::current();
-    loop->add_poller(*this);
+    loop->backend().add_poller(*this);
     cq_watch = new fd_watch(channel->fd, &on_cq_event, this);
     cq_watch->arm(*loop);
   }
@@ -1193,14 +1194,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     Wait* self;
     void operator()() const noexcept {
       self->cancelled.store(true);
-      if (self->ctx->running_in_this_thread()) {
-        self->c->fail(disconnected());
-      } else {
-        std::weak_ptr<conn_state> wp = self->c->weak_from_this();
-        self->ctx->dispatch([wp] {
-          if (auto s = wp.lock()) s->fail(disconnected());
-        });
-      }
+      cancel_on_loop(*self->ctx, [wp = self->c->weak_from_this()] {
+        if (auto s = wp.lock()) s->fail(disconnected());
+      });
     }
   };
 
