@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shuttle::cuda {
@@ -21,15 +22,23 @@ namespace detail {
 // Awaits `a` without the awaiting task's stop token: for waits that must
 // finish before the operation may return (a copy out of a bounce buffer
 // that is about to be reused, a GPU transfer into the caller's span).
+//
+// Not an aggregate on purpose: g++ 12 destroys the inner awaiter of
+// `co_await unstoppable{cuda::wait(s)}` twice when `unstoppable` is an
+// aggregate, so a stream_awaiter handed its pooled event back twice; the
+// pool then held duplicates and, once full, destroyed events that it
+// still held (cuEventRecord crashed on one). The constructor makes the
+// inner awaiter a member built by a move, destroyed once.
 template <class A>
 struct unstoppable {
+  explicit unstoppable(A&& x) noexcept : a(std::move(x)) {}
   A a;
   bool await_ready() { return a.await_ready(); }
   bool await_suspend(std::coroutine_handle<> h) { return a.await_suspend(h); }
   decltype(auto) await_resume() { return a.await_resume(); }
 };
 template <class A>
-unstoppable(A) -> unstoppable<A>;
+unstoppable(A&&) -> unstoppable<A>;
 
 // Pinned host memory (mmap'd, cudaHostRegister'ed) cut into `depth`
 // buffers of `chunk` bytes, registered with the ring as one fixed buffer

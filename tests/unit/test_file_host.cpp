@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include "../../lib/cuda/cufile_api.hpp"
+#include "../../lib/cuda/file_impl.hpp"
 #include "../../lib/cuda/file_plan.hpp"
 
 #include <shuttle/cuda/gpu_file.hpp>
@@ -38,7 +39,46 @@ void check_read_plan(std::uint64_t off, std::size_t len, std::size_t align, std:
   CHECK(covered == len);
   if (len) CHECK(next_file == align_up(off + len, align));
 }
+
+// Stands in for cuda::stream_awaiter: owns a resource (there a pooled
+// event) that its destructor hands back, once per awaiter.
+struct counting_awaiter {
+  static inline int made = 0, handed_back = 0;
+  bool owns = true;
+  counting_awaiter() { ++made; }
+  counting_awaiter(counting_awaiter&& o) noexcept : owns(std::exchange(o.owns, false)) {}
+  ~counting_awaiter() {
+    if (owns) ++handed_back;
+  }
+  bool await_ready() const noexcept { return false; }
+  bool await_suspend(std::coroutine_handle<>) const noexcept { return false; }  // done at once
+  int await_resume() const noexcept { return 1; }
+};
+counting_awaiter counting_wait() { return counting_awaiter{}; }
 }  // namespace
+
+// The uring engine's lanes await `unstoppable{cuda::wait(s)}` once per
+// chunk. Built as an aggregate by g++ 12, the inner awaiter was destroyed
+// twice per await: every pooled event went back to the pool twice, and a
+// 2 GiB read (512 waits) made the full pool destroy events it still held,
+// then record one (SIGSEGV in cuEventRecord).
+TEST_CASE("unstoppable: the awaited object is destroyed once per co_await") {
+  counting_awaiter::made = counting_awaiter::handed_back = 0;
+  io_context ctx;
+  int sum = ctx.run([]() -> task<int> {
+    int s = 0;
+    for (int i = 0; i < 8; ++i) {
+      auto w = co_await unstoppable{counting_wait()};
+      s += w;
+    }
+    for (int i = 0; i < 8; ++i)
+      if (auto w = co_await unstoppable{counting_wait()}; w) s += w;
+    co_return s;
+  }());
+  CHECK(sum == 16);
+  CHECK(counting_awaiter::made == 16);
+  CHECK(counting_awaiter::handed_back == 16);
+}
 
 TEST_CASE("plan_read: aligned, unaligned head and tail, a size that is not a block multiple") {
   constexpr std::size_t mib = 1 << 20;
