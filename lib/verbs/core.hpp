@@ -1,0 +1,373 @@
+// The domain's core: device context, PD, completion channel, the CQ poller,
+// registrations and staging.
+#pragma once
+
+#include "recv_pool.hpp"
+
+namespace shuttle::detail::verbs_impl {
+
+// ------------------------------------------------------------------ core
+
+struct core final : poller, std::enable_shared_from_this<core> {
+  std::shared_ptr<pd_holder> pdh;
+  ibv_context* ctx = nullptr;
+  ibv_pd* pd = nullptr;
+  ibv_comp_channel* channel = nullptr;
+  ibv_cq* cq = nullptr;
+  int cq_size = 0;
+  int cq_reserved = 0;
+  ibv_device_attr dattr{};
+  std::uint32_t max_msg = 0;  // the port's max_msg_sz: the largest buffer size a peer may announce
+  std::uint8_t port = 1;
+  int gid_index = -1;
+  std::string name, gid_text;
+
+  io_context* loop = nullptr;
+  fd_watch* cq_watch = nullptr;
+  bool notify_armed = false;
+  unsigned unacked = 0;
+  std::chrono::nanoseconds budget = std::chrono::microseconds(200);
+  // When the last completion was seen, stamped lazily: poll() only counts
+  // (a clock read per poll is microseconds where the clock is HPET, as in
+  // a TCG guest); the stamp is taken when the loop next wants to sleep.
+  std::int64_t last_wc = 0;  // spin_clock ns
+  std::uint64_t wc_seen = 0, wc_stamped = 0;
+  std::size_t inflight = 0;
+  std::vector<std::shared_ptr<conn_state>> graveyard;
+  verbs::domain_stats st{};
+
+  // The user's registrations (weak: alive while the user holds one),
+  // found by address for operations on memory they cover. Nothing else is
+  // cached: other memory is staged or registered per operation (transient).
+  std::multimap<std::uintptr_t, std::weak_ptr<verbs_region>> user_regs;
+  std::uint64_t reg_seq = 0;
+  std::size_t device_registrations = 0;  // dma-buf registrations ever made
+  std::shared_ptr<staging_pool> staging;  // made on first use
+  // The staging lease or transient registration that find_region made for
+  // the operation being built: the operation takes it (take_hold) and holds
+  // it until it completes.
+  std::shared_ptr<verbs_region> op_owned;
+
+  // Shared receive queue (created on first use), its buffers, and who uses it.
+  ibv_srq* srq = nullptr;
+  recv_pool* srq_pool = nullptr;
+  std::uint32_t srq_cap = 0;      // the SRQ's max_wr
+  std::uint64_t srq_granted = 0;  // sum of the live connections' grants
+  // qp_num -> connection, for every QP of this core: an SRQ's receive
+  // completion and an unsignaled send's error completion name only their QP.
+  std::map<std::uint32_t, conn_state*> qp_conns;
+  conn_state* conn_of(std::uint32_t qp_num) const noexcept {
+    auto it = qp_conns.find(qp_num);
+    return it == qp_conns.end() ? nullptr : it->second;
+  }
+  std::size_t rx_waiters = 0;  // recv() calls waiting: a reason to keep busy-polling
+
+  // Receive buffers whose messages were released, posted again at the next
+  // poll (one ibv_post_recv per connection for all of them): a released
+  // message costs no post on the latency path between a receive and the
+  // send that answers it. Credits go back only for posted buffers.
+  std::vector<conn_state*> repost_conns;  // connections with released buffers
+  std::vector<recv_slot*> srq_released;   // SRQ buffers released
+  void flush_reposts() noexcept;
+
+  ~core() override {
+    if (loop) loop->backend().remove_poller(*this);
+    if (cq_watch) cq_watch->destroy();
+    op_owned.reset();
+    // Every QP is gone (each held a reference to this core): the SRQ can go.
+    if (srq) ibv_destroy_srq(srq);
+    if (srq_pool) {
+      srq_pool->srq_core = nullptr;
+      srq_pool->unref();
+    }
+    if (cq) {
+      if (unacked) ibv_ack_cq_events(cq, unacked);
+      ibv_destroy_cq(cq);
+    }
+    if (channel) ibv_destroy_comp_channel(channel);
+  }
+
+  void attach() {
+    if (loop) return;
+    loop = &io_context::current();
+    loop->backend().add_poller(*this);
+    cq_watch = new fd_watch(channel->fd, &on_cq_event, this);
+    cq_watch->arm(*loop);
+  }
+
+  static void on_cq_event(void* arg) noexcept {
+    auto* self = static_cast<core*>(arg);
+    ibv_cq* ev_cq;
+    void* ev_ctx;
+    while (ibv_get_cq_event(self->channel, &ev_cq, &ev_ctx) == 0) {
+      ++self->unacked;
+      ++self->st.cq_events;
+      self->notify_armed = false;
+    }
+    if (self->unacked >= ack_batch) {
+      ibv_ack_cq_events(self->cq, self->unacked);
+      self->unacked = 0;
+    }
+    self->cq_watch->arm(*self->loop);
+  }
+
+  // An empty CQ is looked at again a few times before the loop goes on: a
+  // turn of the loop costs several times an empty ibv_poll_cq, so a loop
+  // that spins for completions notices one sooner (and, in an emulated
+  // guest, runs far less code per look).
+  bool poll() override {
+    inline_wrs = 0;
+    if (!repost_conns.empty() || !srq_released.empty()) flush_reposts();
+    for (int i = 0; i < empty_polls_per_turn; ++i)
+      if (poll_cq()) return true;
+    return false;
+  }
+  static constexpr int empty_polls_per_turn = 8;
+  // A look at the CQ from an operation of `wrs` work requests just posted
+  // (see finish_setup). For at most 32 work requests between two turns of
+  // the loop: an operation that completes at once does not suspend, so a
+  // coroutine issuing them in a row would otherwise never let the loop (its
+  // timers, the other coroutines) run. 32 small operations are ~100 us on a
+  // NIC; a suspension costs the latency path two reference counts and a turn
+  // of the loop (at 8: 30 user-space instructions more per read_lat round
+  // trip). A batch counts its work requests.
+  [[gnu::always_inline]] void poll_inline(unsigned wrs = 1) {
+    if (take_inline_look(wrs)) poll_cq_inlined();
+  }
+  // One of the loop turn's inline looks, if any is left (poll_inline; a
+  // prepared start's latency path decides on it before it posts).
+  [[gnu::always_inline]] bool take_inline_look(unsigned wrs = 1) noexcept {
+    if (inline_wrs >= max_inline_wrs) return false;
+    inline_wrs += wrs;
+    return true;
+  }
+  static constexpr unsigned max_inline_wrs = 32;
+  unsigned inline_wrs = 0;
+  bool poll_cq();
+  // poll_cq's body, inlined into each operation's launch (poll_inline) as
+  // well: a call and an indirect call less on the latency path.
+  [[gnu::always_inline]] inline bool poll_cq_inlined();
+  // One completion to whatever waits for it (poll_cq's body).
+  [[gnu::always_inline]] inline void dispatch(const ibv_wc& wc) noexcept;
+  // `n` completions taken from the CQ: the statistics, and the busy-poll
+  // budget's "last completion seen" (try_enter_interrupt_mode).
+  void count_seen(int n) noexcept {
+    st.completions += static_cast<std::uint64_t>(n);
+    ++wc_seen;
+  }
+  bool try_enter_interrupt_mode() override {
+    if (!repost_conns.empty() || !srq_released.empty()) flush_reposts();  // never sleep on unposted buffers
+    if (inflight > 0 || rx_waiters > 0) {
+      const std::int64_t now = detail::spin_clock::now_ns();
+      if (wc_seen != wc_stamped || now < last_wc) {
+        wc_stamped = wc_seen;
+        last_wc = now;
+      }
+      if (now - last_wc < budget.count()) return false;  // keep busy-polling
+    }
+    if (!notify_armed) {
+      if (ibv_req_notify_cq(cq, 0) != 0) return false;
+      notify_armed = true;
+    }
+    return !poll_cq();  // a completion that arrived before arming raises no event
+  }
+  void exit_interrupt_mode() override {}
+  void reap_graveyard();
+  void on_unsignaled_error(const ibv_wc& wc) noexcept;
+
+  // Reserves `n` entries of the shared CQ for one connection, growing the CQ
+  // if it can; false when they do not fit (that connection is refused or
+  // stops growing, the others keep theirs).
+  bool reserve_cq(int n) noexcept {
+    if (cq_reserved + n > cq_size) {
+      int want = std::min(dattr.max_cqe, std::max(cq_size * 2, cq_reserved + n));
+      if (want < cq_reserved + n || ibv_resize_cq(cq, want) != 0) return false;
+      cq_size = cq->cqe;
+    }
+    cq_reserved += n;
+    return true;
+  }
+
+  result<void> srq_join(std::uint32_t grant, std::size_t slot_size);
+  void srq_leave(std::uint32_t grant) noexcept { srq_granted -= grant; }
+  result<void> post_srq(recv_slot& s) noexcept {
+    ibv_sge sge;
+    ibv_recv_wr wr;
+    fill_recv_wr(s, wr, sge);
+    ibv_recv_wr* bad = nullptr;
+    if (int e = ibv_post_srq_recv(srq, &wr, &bad)) return errno_code(e);
+    return {};
+  }
+  void on_srq_release(recv_slot& slot) noexcept { srq_released.push_back(&slot); }
+
+  result<std::shared_ptr<verbs_region>> reg(std::span<std::byte> mem, unsigned flags) {
+    unsigned a = normalize_access(flags);
+    ibv_mr* mr = ibv_reg_mr(pd, mem.data(), mem.size(), static_cast<int>(a));
+    if (!mr) return last_errno();
+    ++st.registrations;
+    auto r = std::make_shared<verbs_region>();
+    r->mr = mr;
+    r->pd = pdh;
+    r->addr = mem.data();
+    r->length = mem.size();
+    r->access = a;
+    r->lkey = mr->lkey;
+    r->rkey = mr->rkey;
+    return r;
+  }
+
+  // Memory windows (connection::grant): type 2 ones bound on a QP.
+  bool has_type2_windows() const noexcept {
+    return (dattr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
+  }
+
+#ifdef SHUTTLE_HAVE_VERBS_DMABUF
+  // Device memory exported as a dma-buf; the region's addresses are `iova`
+  // (the device pointer), as operations and remote descriptors use them.
+  result<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova,
+                                        unsigned flags) {
+    unsigned a = normalize_access(flags);
+    ibv_mr* mr = ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, static_cast<int>(a));
+    if (!mr) return last_errno();
+    ++st.registrations;
+    auto r = std::make_shared<verbs_region>();
+    r->mr = mr;
+    r->pd = pdh;
+    r->addr = reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(iova));
+    r->length = length;
+    r->access = a;
+    r->lkey = mr->lkey;
+    r->rkey = mr->rkey;
+    r->device_memory = true;
+    ++device_registrations;
+    add_user_region(r);
+    return memory_region(r);
+  }
+#endif
+
+  // True when `mem` lies in a registration of device memory.
+  bool in_device_memory(std::span<const std::byte> mem) {
+    if (device_registrations == 0) return false;  // host-only domains skip the lookup
+    auto sp = find_cover(user_regs, reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), false);
+    return sp && sp->device_memory;
+  }
+
+  // Every call registers anew, as ibv_reg_mr does: an earlier region of the
+  // same range may describe pages that are no longer mapped there (its
+  // memory freed while the user still held it), and nothing can tell.
+  result<memory_region> register_memory(std::span<std::byte> mem, unsigned flags) {
+    auto r = reg(mem, flags);
+    if (!r) return r.error();
+    add_user_region(*r);
+    return memory_region(*r);
+  }
+  void add_user_region(const std::shared_ptr<verbs_region>& r) {
+    auto key = reinterpret_cast<std::uintptr_t>(r->addr);
+    auto [b, e] = user_regs.equal_range(key);  // drop the expired ones of this address
+    for (auto it = b; it != e;) it = it->second.expired() ? user_regs.erase(it) : std::next(it);
+    r->seq = ++reg_seq;
+    user_regs.emplace(key, r);
+    // Operations find the newest registration covering their memory, not
+    // the one they used last.
+    last_region.reset();
+    last_ptr = nullptr;
+    last_base = last_end = 0;
+  }
+
+  void remember(const std::shared_ptr<verbs_region>& r) noexcept {
+    last_region = r;
+    last_ptr = r.get();
+    last_base = reinterpret_cast<std::uintptr_t>(r->addr);
+    last_end = last_base + r->length;
+  }
+
+  // The registration local_region found last: operations on one buffer in
+  // a row skip the map walk. Weak, as the maps' user entries: it keeps no
+  // registration alive, and one deregistered since has expired.
+  std::weak_ptr<verbs_region> last_region;
+  verbs_region* last_ptr = nullptr;  // last_region's object, while it has not expired
+  std::uintptr_t last_base = 0, last_end = 0;
+
+  // A registration covering `mem` for a local sge. For the user's memory,
+  // not a reference: the registration is alive until user code runs again
+  // (the user's handle holds it), which is all an operation that completes
+  // while it is launched needs; one that waits takes a reference (hold).
+  // No reference counting on the latency path of an operation on
+  // registered memory. Other memory: see find_region.
+  result<verbs_region*> local_region(std::span<const std::byte> mem, bool need_write, bool may_stage, ibv_sge& sge) {
+    auto a = reinterpret_cast<std::uintptr_t>(mem.data());
+    if (a >= last_base && a <= last_end && mem.size() <= last_end - a && !last_region.expired() &&
+        (!need_write || (last_ptr->access & access::local_write))) {
+      ++st.cache_hits;
+      return last_ptr;
+    }
+    return find_region(mem, need_write, may_stage, sge);
+  }
+  // local_region past the last registration: a user registration covering
+  // `mem`, else (memory the library cannot watch) a staging slot that the
+  // bytes are copied into now (sge then points at it; `may_stage`: a send
+  // or write source whose bytes may be taken now), else a registration for
+  // this operation alone. Either is left in op_owned for the operation to
+  // hold until it completes; neither is ever found by another operation.
+  [[gnu::noinline]] result<verbs_region*> find_region(std::span<const std::byte> mem, bool need_write, bool may_stage,
+                                                      ibv_sge& sge) {
+    auto a = reinterpret_cast<std::uintptr_t>(mem.data());
+    if (auto sp = find_cover(user_regs, a, mem.size(), need_write)) {
+      ++st.cache_hits;
+      remember(sp);
+      return sp.get();
+    }
+    if (may_stage && !need_write && mem.size() <= staging_slot_size) {
+      if (auto lease = stage(mem)) {
+        sge.addr = reinterpret_cast<std::uintptr_t>(staging->mem) + std::uintptr_t(lease->slot) * staging_slot_size;
+        op_owned = std::move(lease->hold);
+        return staging->region.get();
+      }
+    }
+    std::span<std::byte> m(const_cast<std::byte*>(mem.data()), mem.size());
+    auto r = reg(m, access::local_write);
+    if (!r && !need_write) r = reg(m, 0);  // read-only memory (a send source)
+    if (!r) return r.error();
+    ++st.transient_registrations;
+    op_owned = std::move(*r);
+    return op_owned.get();
+  }
+  struct staging_lease {
+    std::uint32_t slot;
+    std::shared_ptr<verbs_region> hold;
+  };
+  // `mem` copied into a free staging slot, if one is (the pool is made and
+  // registered on first use).
+  std::optional<staging_lease> stage(std::span<const std::byte> mem) {
+    if (!staging) {
+      const std::size_t bytes = std::size_t(staging_slots) * staging_slot_size;
+      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return std::nullopt;
+      auto pool = std::make_shared<staging_pool>();
+      pool->mem = static_cast<std::byte*>(p);
+      auto r = reg({pool->mem, bytes}, 0);
+      if (!r) return std::nullopt;  // the pool unmaps its pages
+      pool->region = std::move(*r);
+      pool->free_slots.reserve(staging_slots);
+      for (std::uint32_t i = staging_slots; i > 0; --i) pool->free_slots.push_back(i - 1);
+      staging = std::move(pool);
+    }
+    if (staging->free_slots.empty()) return std::nullopt;
+    const std::uint32_t slot = staging->free_slots.back();
+    staging->free_slots.pop_back();
+    std::memcpy(staging->mem + std::size_t(slot) * staging_slot_size, mem.data(), mem.size());
+    ++st.staged;
+    // The slab's region, held as a lease: its deleter returns the slot.
+    return staging_lease{slot, std::shared_ptr<verbs_region>(staging->region.get(), staging_return{staging, slot})};
+  }
+  // A reference to what local_region returned, for an operation that waits.
+  static std::shared_ptr<verbs_region> hold(verbs_region* r) { return r ? r->shared_from_this() : nullptr; }
+  // What an operation holds while it waits: the staging lease or transient
+  // registration find_region just made, else a reference to `r`.
+  std::shared_ptr<verbs_region> take_hold(verbs_region* r) {
+    if (op_owned) return std::move(op_owned);
+    return hold(r);
+  }
+};
+
+}  // namespace shuttle::detail::verbs_impl
