@@ -1,24 +1,22 @@
 // The verbs provider: rdma-core (libibverbs + librdmacm) on the io_uring loop.
 //
-// This header: the constants and helpers of every verbs file. Beside it:
-// device.hpp (device, port and GID selection, shared with
-// the device listing), cm_events.hpp (rdma_cm events, the hello, reject
-// reasons), fd_watch.hpp (fds the loop watches), registration.hpp (regions,
-// staging slots, the search for a covering registration).
+// This header: the constants and helpers of every verbs file. The files, one
+// per verbs object, are listed in docs/architecture.md; the pieces below name
+// them.
 //
 // Pieces:
-//  - core: one device context, its protection domain, one completion channel
+//  - core (core.hpp): one device context, its protection domain, one completion channel
 //    and one CQ shared by every QP of the domain. The CQ is a poller of the
 //    loop (hybrid policy: busy-polled while work is in flight, for up to the
 //    domain's budget after the last completion; then ibv_req_notify_cq, poll
 //    once more to close the re-arm race, and sleep with the channel fd
 //    watched by an IORING_OP_POLL_ADD; CQ events are acked in batches).
-//  - conn_state: one RC QP set up through rdma_cm, with its own event channel
+//  - conn_state (conn_state.hpp): one RC QP set up through rdma_cm, with its own event channel
 //    whose fd the loop watches; receive pool kept posted; send-queue slots and
 //    receive credits as loop-local semaphores; a dying state stays in the
 //    core's graveyard until every posted WR came back (flushed), so no work
 //    completion ever names freed memory.
-//  - operations: one signaled WR each, whose wr_id is a wr_ctx kept in the
+//  - operations (operations.hpp): one signaled WR each, whose wr_id is a wr_ctx kept in the
 //    awaiting frame (connection_op.hpp); the awaiter resumes (through
 //    io_context::post) when its completion is reaped. Inline sends instead
 //    complete once posted, unsignaled but for one settling WR per quarter of
@@ -35,7 +33,7 @@
 //    peers may consume: credits keep RNR impossible. A receive completion
 //    names its QP (wc.qp_num -> connection); the freed buffer goes back to
 //    the SRQ and the credit to that connection.
-//  - batches (post_batch): chunks of chained WRs, one ibv_post_send each,
+//  - batches (batches.hpp, post_batch): chunks of chained WRs, one ibv_post_send each,
 //    only the last WR signaled; the chunk holds its send-queue slots until
 //    that completion. Unsignaled WRs name the chunk's `early` context, which
 //    only ever sees error/flush completions (they come before the chunk's

@@ -112,165 +112,22 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   }
   ~conn_state() { reap(); }
 
-  result<void> init_channel() {
-    ech = rdma_create_event_channel();
-    if (!ech) return last_errno();
-    if (!set_nonblock(ech->fd)) return last_errno();
-    cm_watch = new fd_watch(ech->fd, &on_cm, this);
-    cm_watch->arm(*dom->loop);
-    return {};
-  }
+  result<void> init_channel();
 
-  static void on_cm(void* arg) noexcept {
-    auto* self = static_cast<conn_state*>(arg);
-    auto keep = self->shared_from_this();  // a handler may drop the last other reference
-    rdma_cm_event* e;
-    while (self->ech && rdma_get_cm_event(self->ech, &e) == 0) {
-      cm_evt c = copy_event(e);
-      rdma_ack_cm_event(e);
-      self->on_event(c);
-    }
-    if (self->cm_watch) self->cm_watch->arm(*self->dom->loop);
-  }
+  static void on_cm(void* arg) noexcept;
 
   // Passive side: told when the handshake ends (true: established).
   // (an error: the handshake failed, and why).
   void (*on_accept_done)(void* listener, conn_state* st, std::error_code failed) noexcept = nullptr;
   void* acceptor = nullptr;
 
-  void on_event(const cm_evt& e) {
-    if (dying) return;
-    if (acceptor && !established) {
-      bool ok = e.type == RDMA_CM_EVENT_ESTABLISHED;
-      if (ok) on_established();
-      auto* l = std::exchange(acceptor, nullptr);
-      on_accept_done(l, this, ok ? std::error_code{} : cm_error(e));
-      return;
-    }
-    if (established && (e.type == RDMA_CM_EVENT_DISCONNECTED || e.type == RDMA_CM_EVENT_DEVICE_REMOVAL)) {
-      // What the peer sent before it disconnected completed on its side,
-      // so its receives' completions are in this side's CQ already; the
-      // loop may reap this event before it polls them: take them first,
-      // or a recv() fails "disconnected" with its message in the CQ.
-      if (e.type == RDMA_CM_EVENT_DISCONNECTED) dom->poll_cq();
-      fail(disconnected());
-      return;
-    }
-    if (established) return;  // TIMEWAIT_EXIT and the like
-    events.push_back(e);
-    cm_event.set();
-  }
+  void on_event(const cm_evt& e);
 
-  task<result<cm_evt>> next_event() {
-    while (events.empty()) {
-      if (dying) co_return make_error_code(std::errc::operation_canceled);
-      cm_event.reset();
-      if (auto r = co_await cm_event.wait(); !r) co_return r.error();
-    }
-    cm_evt e = events.front();
-    events.pop_front();
-    co_return e;
-  }
+  task<result<cm_evt>> next_event();
 
-  // The QP is created with ibv_create_qp and moved to INIT here, to RTR and
-  // RTS by ready_qp, on both sides, so that its RNR retry count is this
-  // side's: rdma_accept and rdma_connect would take the one the peer asked
-  // for in its REQ or REP, maybe 7 (retry forever).
-  result<void> create_qp() {
-    if (id->verbs != dom->ctx) return make_error_code(errc::not_supported);  // another device
-    const std::uint32_t n = opts.receive_buffers + ctrl_reserve;  // the QP's receive queue
-    if (opts.shared_receive_queue) {
-      if (auto r = dom->srq_join(n, opts.receive_buffer_size); !r) return r;
-      srq_grant = n;
-    }
-    // Own receive queue: only the first few receives now (grow_receives).
-    user_slots = srq_grant ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
-    const std::uint32_t posted_now = srq_grant ? n : user_slots + ctrl_reserve;
-    const int want_cq = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + posted_now);
-    if (!dom->reserve_cq(want_cq)) return make_error_code(std::errc::no_buffer_space);
-    cq_reserve = want_cq;
+  result<void> create_qp();
 
-    ibv_qp_init_attr a{};
-    a.send_cq = dom->cq;
-    a.recv_cq = dom->cq;
-    a.qp_type = IBV_QPT_RC;
-    a.cap.max_send_wr = opts.send_queue_depth + ctrl_reserve + 1;  // + close()'s settling marker
-    a.cap.max_recv_wr = srq_grant ? 0 : n;
-    a.cap.max_send_sge = 1;
-    a.cap.max_recv_sge = srq_grant ? 0 : 1;
-    a.srq = srq_grant ? dom->srq : nullptr;
-    a.cap.max_inline_data = opts.max_inline_data;
-    a.sq_sig_all = 0;
-    {
-      qp = ibv_create_qp(dom->pd, &a);
-      if (!qp) {  // some devices cap inline data: retry without it
-        a.cap.max_inline_data = 0;
-        qp = ibv_create_qp(dom->pd, &a);
-      }
-      if (!qp) return last_errno();
-      own_qp = true;
-      ibv_qp_attr qa{};
-      int mask = 0;
-      qa.qp_state = IBV_QPS_INIT;
-      if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
-      // The connecting side is here before the CM has a connection, and
-      // rdma_init_qp_attr then gives no remote access (librdmacm's own
-      // rdma_connect asks again before RTR): the peer's writes would end in
-      // "remote invalid request". Both sides take every remote access; what
-      // a peer may touch is the registrations' and windows' rights.
-      qa.qp_access_flags |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-                            IBV_ACCESS_REMOTE_ATOMIC;
-      mask |= IBV_QP_ACCESS_FLAGS;
-      if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
-    }
-    qp_num = qp->qp_num;
-    refresh_usable();
-    max_inline = std::min(a.cap.max_inline_data, opts.max_inline_data);
-    sq.release(opts.send_queue_depth);
-    dom->qp_conns[qp_num] = this;
-
-    if (srq_grant) {  // the SRQ's buffers, already posted (srq_join)
-      pool = dom->srq_pool;
-      ++pool->refs;
-    } else {
-      // Receive pool, all posted now (before the peer may send).
-      pool = new recv_pool;
-      pool->pd = dom->pdh;
-      pool->conn = this;
-      pool->slot_size = opts.receive_buffer_size;
-      if (auto r = pool->grow(posted_now, &on_recv_wc); !r) return r.error();
-      for (std::uint32_t i = 0; i < posted_now; ++i)
-        if (auto r = post_recv(pool->slots[i]); !r) return r;
-    }
-    // Results of atomics.
-    std::size_t sbytes = (opts.send_queue_depth * 8 + 63) & ~std::size_t(63);
-    scratch = static_cast<std::uint64_t*>(std::aligned_alloc(64, sbytes));
-    if (!scratch) return make_error_code(std::errc::not_enough_memory);
-    scratch_mr = ibv_reg_mr(dom->pd, scratch, sbytes, static_cast<int>(IBV_ACCESS_LOCAL_WRITE));
-    if (!scratch_mr) return last_errno();
-    for (std::uint32_t i = opts.send_queue_depth; i > 0; --i) scratch_free.push_back(i - 1);
-    return {};
-  }
-
-  // The QP to RTR and RTS, as rdma_accept (`accepted`: this side's answer)
-  // or rdma_connect's handling of the REP would (its attributes from the
-  // CM), but with this side's RNR retry count.
-  result<void> ready_qp(const rdma_conn_param* accepted) {
-    ibv_qp_attr qa{};
-    int mask = 0;
-    qa.qp_state = IBV_QPS_RTR;
-    if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
-    if (accepted) qa.max_dest_rd_atomic = accepted->responder_resources;
-    if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
-    qa = {};
-    mask = 0;
-    qa.qp_state = IBV_QPS_RTS;
-    if (rdma_init_qp_attr(id, &qa, &mask) != 0) return last_errno();
-    if (accepted) qa.max_rd_atomic = accepted->initiator_depth;
-    qa.rnr_retry = std::min<std::uint8_t>(qa.rnr_retry, rnr_retries);
-    if (int e = ibv_modify_qp(qp, &qa, mask)) return errno_code(e);
-    return {};
-  }
+  result<void> ready_qp(const rdma_conn_param* accepted);
 
   // Own receive queue: the user receives double (up to receive_buffers)
   // once the peer uses them; each new one is a credit for it. Growth stops
@@ -325,45 +182,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     return {};
   }
 
-  rdma_conn_param conn_param(wire_hello& hello, const cm_evt* req) const {
-    hello.magic = htonl(wire_magic);
-    hello.max_slots = htonl(opts.receive_buffers);
-    hello.initial_slots = htonl(user_slots);
-    hello.buffer_size = htonl(static_cast<std::uint32_t>(std::min<std::size_t>(opts.receive_buffer_size, UINT32_MAX)));
-    rdma_conn_param p{};
-    p.private_data = &hello;
-    p.private_data_len = sizeof hello;
-    auto rd = static_cast<std::uint8_t>(std::min({dom->dattr.max_qp_rd_atom, dom->dattr.max_qp_init_rd_atom, 16}));
-    p.responder_resources = rd;
-    p.initiator_depth = rd;
-    if (req) {
-      p.responder_resources = std::min(rd, req->initiator_depth);
-      p.initiator_depth = std::min(rd, req->responder_resources);
-    }
-    p.retry_count = 7;
-    p.rnr_retry_count = rnr_retries;  // the peer's QP: what it may retry on this side's RNR NAKs
-    return p;
-  }
+  rdma_conn_param conn_param(wire_hello& hello, const cm_evt* req) const;
 
-  // The peer's hello, checked against what this side can honour: credits
-  // (its receives) at most what a QP of this device can have posted, the
-  // initial ones within its cap, a buffer size in [1, the port's max
-  // message size].
-  bool take_hello(const cm_evt& e) {
-    if (e.priv_len < sizeof(wire_hello)) return false;
-    wire_hello h;
-    std::memcpy(&h, e.priv.data(), sizeof h);
-    if (ntohl(h.magic) != wire_magic) return false;
-    const std::uint32_t max_slots = ntohl(h.max_slots), initial = ntohl(h.initial_slots);
-    const std::uint32_t buffer = ntohl(h.buffer_size);
-    const auto device_cap = static_cast<std::uint32_t>(std::max({dom->dattr.max_qp_wr, dom->dattr.max_srq_wr, 1}));
-    if (max_slots == 0 || max_slots > device_cap || initial == 0 || initial > max_slots) return false;
-    if (buffer == 0 || buffer > dom->max_msg) return false;
-    peer_max_slots = max_slots;
-    peer_slots = initial;
-    peer_buffer = buffer;
-    return true;
-  }
+  bool take_hello(const cm_evt& e);
 
   void on_established() {
     established = true;
@@ -396,68 +217,11 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     drained.set();
   }
 
-  void abort_qp() {
-    if (qp && !qp_err) {
-      ibv_qp_attr a{};
-      a.qp_state = IBV_QPS_ERR;
-      ibv_modify_qp(qp, &a, IBV_QP_STATE);
-      qp_err = true;
-    }
-  }
+  void abort_qp();
 
-  // The connection object is gone: flush, then free once nothing is posted.
-  void shutdown() {
-    if (dying) return;
-    fail(disconnected());
-    dying = true;
-    if (outstanding == 0)
-      reap();
-    else {
-      dom->graveyard.push_back(shared_from_this());
-      dom->loop->hold();  // until reaped: the loop's end lets the flush finish (io_context::hold)
-    }
-  }
+  void shutdown();
 
-  void reap() noexcept {
-    if (reaped) return;
-    reaped = true;
-    if (in_repost_list) {  // freed before the next poll (a graveyard reap dropped on the next turn)
-      auto& l = dom->repost_conns;
-      l.erase(std::remove(l.begin(), l.end(), this), l.end());
-      in_repost_list = false;
-    }
-    if (cm_watch) std::exchange(cm_watch, nullptr)->destroy();
-    if (qp) {
-      auto it = dom->qp_conns.find(qp_num);
-      if (it != dom->qp_conns.end() && it->second == this) dom->qp_conns.erase(it);
-      if (own_qp)
-        ibv_destroy_qp(qp);
-      else
-        rdma_destroy_qp(id);
-    }
-    qp = nullptr;
-    refresh_usable();
-    if (id) rdma_destroy_id(id);
-    if (ech) rdma_destroy_event_channel(ech);
-    id = nullptr;
-    ech = nullptr;
-    if (srq_grant) {
-      // Messages never taken by recv() hold SRQ buffers: back to the SRQ.
-      if (dom->srq)
-        for (auto& it : rx) (void)dom->post_srq(*it.slot);
-      rx.clear();
-      dom->srq_leave(std::exchange(srq_grant, 0));
-    }
-    if (pool) {
-      if (pool->conn == this) pool->conn = nullptr;
-      std::exchange(pool, nullptr)->unref();
-    }
-    if (scratch_mr) ibv_dereg_mr(scratch_mr);
-    std::free(scratch);
-    scratch = nullptr;
-    dom->cq_reserved -= cq_reserve;
-    --dom->st.live_connections;
-  }
+  void reap() noexcept;
 
   // Operations may be posted: kept as one flag (refresh_usable after each
   // of its four inputs changes), tested once per operation.
@@ -648,179 +412,15 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     if (--inflight_ops == 0 && closed) drained.set();
   }
 
-  // The stop callback of an operation whose work requests the NIC may hold:
-  // they cannot be withdrawn alone, so the connection goes to the error state
-  // (from the loop's thread) and the operation resumes on the flushed
-  // completion.
-  template <class Wait>
-  struct cancel_in_flight {
-    Wait* self;
-    void operator()() const noexcept {
-      self->cancelled.store(true);
-      cancel_on_loop(*self->ctx, [wp = self->c->weak_from_this()] {
-        if (auto s = wp.lock()) s->fail(disconnected());
-      });
-    }
-  };
+  // ---------------------------------------------------------------- operations (operations.hpp)
 
-  // Posts one signaled WR and waits for its completion. `credit`: it consumes
-  // a receive on the peer. `atomic_result`: local sge is a scratch word whose
-  // value is returned.
-  struct op_wait : wr_ctx {
-    conn_state* c = nullptr;
-    io_context* ctx = nullptr;
-    std::coroutine_handle<> h{};
-    ibv_wc_status status = IBV_WC_SUCCESS;
-    std::uint32_t byte_len = 0;
-    bool done = false;
-    std::atomic<bool> cancelled{false};
-    using cancel_cb = cancel_in_flight<op_wait>;
-    std::optional<std::stop_callback<cancel_cb>> scb;
+  template <class Wait> struct cancel_in_flight;
+  struct op_wait;
+  bool try_reserve(bool credit) noexcept;
+  void unreserve(bool credit) noexcept;
 
-    bool await_ready() const noexcept { return done; }
-    // Callers hold no reference of their own to the connection state while
-    // nothing waits: the wait takes one (the state may be dying by the time
-    // the completion resumes it).
-    std::shared_ptr<conn_state> keep;
-    template <class P>
-    void await_suspend(std::coroutine_handle<P> hh) {
-      suspend(hh, stop_token_of(hh));
-    }
-    void suspend(std::coroutine_handle<> hh, std::stop_token t) {
-      h = hh;
-      keep = c->shared_from_this();
-      if (t.stop_possible()) scb.emplace(std::move(t), cancel_cb{this});
-    }
-    void await_resume() const noexcept {}
-
-    static void on_complete(wr_ctx* w, const ibv_wc& wc) noexcept { static_cast<op_wait*>(w)->complete(wc); }
-    [[gnu::always_inline]] void complete(const ibv_wc& wc) noexcept {  // also inlined into core::poll_cq
-      status = wc.status;
-      byte_len = wc.byte_len;
-      done = true;
-      --c->outstanding;
-      --c->dom->inflight;
-      if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
-      scb.reset();
-      if (h) ctx->post(h);
-    }
-  };
-
-  // A send-queue slot and, for `credit`, a peer receive, if both can be had
-  // now (the semaphores are FIFO: this never overtakes a waiter).
-  bool try_reserve(bool credit) noexcept {
-    if (ordered_waiting > 0) return false;  // an operation that waited posts first
-    if (!sq.try_acquire()) return false;
-    if (credit && !credits.try_acquire()) {
-      sq.release();
-      return false;
-    }
-    return true;
-  }
-  void unreserve(bool credit) noexcept {
-    sq.release();
-    if (credit) credits.release();
-  }
-
-  // One signaled WR whose slot (and credit) the caller holds: posted when
-  // awaited, its completion awaited in the caller's frame (no frame of its
-  // own: the latency path of every operation goes through here).
-  // `atomic_result`: the local sge becomes a scratch word whose value is
-  // returned.
-  struct posted_op : op_wait {
-    ibv_send_wr wr;
-    ibv_sge sge;
-    bool credit, atomic_result;
-    std::uint32_t slot = 0;
-    int post_error = 0;
-
-    posted_op(conn_state* conn, const ibv_send_wr& w, const ibv_sge& g, bool cr, bool atomic) noexcept
-        : wr(w), sge(g), credit(cr), atomic_result(atomic) {
-      c = conn;
-    }
-    // Filled in place by the caller: no copy of the WR. Not zeroed (128
-    // bytes on every operation's path): the caller sets the fields its
-    // opcode uses (remote address, rkey, imm_data, atomic operands) and
-    // local_sge the sge; a provider reads nothing else of an RC WR.
-    posted_op(conn_state* conn, ibv_wr_opcode opcode, bool cr, bool atomic) noexcept
-        : credit(cr), atomic_result(atomic) {  // NOLINT(cppcoreguidelines-pro-type-member-init)
-      c = conn;
-      wr.next = nullptr;
-      wr.opcode = opcode;
-      wr.send_flags = 0;
-    }
-    // Inlined into the launch (finish_setup): a call's prologue and
-    // epilogue cost a tenth of this path in an emulated guest.
-    [[gnu::always_inline]] bool await_ready() noexcept {
-      set_post_fields();
-      return post();
-    }
-    // The fields that tie the WR to this op: the same for every post of
-    // it, so a prepared operation sets them once.
-    [[gnu::always_inline]] void set_post_fields() noexcept {
-      ctx = c->dom->loop;
-      on_wc = &op_wait::on_complete;
-      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(this));
-      wr.send_flags |= IBV_SEND_SIGNALED;
-      wr.sg_list = &sge;
-      wr.num_sge = sge.length > 0 || atomic_result ? 1 : 0;
-    }
-    // Posts the WR (set_post_fields done); true: over already (failed, or
-    // completed by the inline look at the CQ).
-    [[gnu::always_inline]] bool post() noexcept {
-      if (!c->usable()) {
-        post_error = -1;
-        c->unreserve(credit);
-        return true;
-      }
-      if (atomic_result) {
-        slot = c->scratch_free.back();
-        c->scratch_free.pop_back();
-        sge.addr = reinterpret_cast<std::uintptr_t>(c->scratch + slot);
-        sge.length = 8;
-        sge.lkey = c->scratch_mr->lkey;
-      }
-      if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits
-        std::uint32_t n = std::min<std::uint32_t>(c->to_return, 0xffff);
-        c->to_return -= n;
-        wr.imm_data = htonl(n);
-      }
-      ibv_send_wr* bad = nullptr;
-      if (int e = ibv_post_send(c->qp, &wr, &bad)) {
-        post_error = e;
-        if (atomic_result) c->scratch_free.push_back(slot);
-        c->unreserve(credit);
-        return true;
-      }
-      count_posted();
-      // Soft-RoCE (and a fast NIC) may have completed it already: one look
-      // at the CQ here saves a turn of the loop (a suspension, a wake-up) on
-      // the latency path. Coroutines are never resumed from inside the
-      // poller (wake-ups are posted), so this cannot re-enter core::poll.
-      c->dom->poll_inline();
-      return done;
-    }
-    // The WR is in the send queue: complete() and end_op() count it out.
-    [[gnu::always_inline]] void count_posted() noexcept {
-      ++c->outstanding;
-      ++c->inflight_ops;
-      ++c->dom->inflight;
-    }
-    [[gnu::always_inline]] result<std::uint64_t> await_resume() noexcept {
-      if (post_error < 0) return disconnected();
-      if (post_error > 0) return errno_code(post_error);
-      if (atomic_result) c->scratch_free.push_back(slot);
-      c->end_op();
-      c->sq.release();
-      if (status == IBV_WC_SUCCESS) return atomic_result ? c->scratch[slot] : byte_len;
-      if (cancelled.load()) return std::make_error_code(std::errc::operation_canceled);
-      if (status == IBV_WC_WR_FLUSH_ERR) return disconnected();
-      return wc_error(status);
-    }
-  };
-  posted_op post_reserved(const ibv_send_wr& wr, const ibv_sge& sge, bool credit, bool atomic_result) noexcept {
-    return posted_op(this, wr, sge, credit, atomic_result);
-  }
+  struct posted_op;
+  posted_op post_reserved(const ibv_send_wr& wr, const ibv_sge& sge, bool credit, bool atomic_result) noexcept;
 
   // Operations post in the order they were called. One that must wait for
   // a send-queue slot or a credit queues on `post_order` (FIFO) and holds it
@@ -831,229 +431,18 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   // before chunk 5 once credits ran short).
   mutex post_order;
   std::uint32_t ordered_waiting = 0;  // operations from their first wait to their post
-  struct ordered_turn {  // counts one operation in ordered_waiting, until done()
-    conn_state* c;
-    bool in = true;
-    explicit ordered_turn(conn_state* s) noexcept : c(s) { ++c->ordered_waiting; }
-    void done() noexcept {
-      if (std::exchange(in, false)) --c->ordered_waiting;
-    }
-    ~ordered_turn() { done(); }
-  };
-  // Resumes when a posted_op posted by hand completes.
-  struct posted_wait {
-    posted_op& op;
-    bool await_ready() const noexcept { return op.done; }
-    template <class P>
-    void await_suspend(std::coroutine_handle<P> h) {
-      op.await_suspend(h);
-    }
-    void await_resume() const noexcept {}
-  };
+  struct ordered_turn;
+  struct posted_wait;
 
-  // Waits for a send-queue slot (and a credit), then posts. Callers try
-  // try_reserve + post_reserved first, in their own frame.
   task<result<std::uint64_t>> execute(ibv_send_wr wr, ibv_sge sge, bool credit, bool atomic_result,
-                                      std::shared_ptr<verbs_region> keep) {
-    // The caller's frame holds the registration; this frame the state.
-    (void)keep;
-    auto self = shared_from_this();
-    if (!usable()) co_return disconnected();
-    ordered_turn turn(this);
-    auto order = co_await post_order.lock();
-    if (!order) co_return order.error();
-    if (auto r = co_await sq.acquire(); !r) co_return r.error();
-    if (credit) {
-      if (auto r = co_await credits.acquire(); !r) {
-        sq.release();
-        co_return r.error();
-      }
-    }
-    posted_op op = post_reserved(wr, sge, credit, atomic_result);
-    const bool over = op.await_ready();  // posts
-    turn.done();
-    order->unlock();
-    if (!over) co_await posted_wait{op};
-    co_return op.await_resume();
-  }
+                                      std::shared_ptr<verbs_region> keep);
 
-  // ---------------------------------------------------------------- batches
+  // ---------------------------------------------------------------- batches (batches.hpp)
 
   struct batch_wait;
-  struct batch_chunk {
-    struct ctx : wr_ctx {
-      batch_chunk* ch = nullptr;
-    } early, last;  // early: the unsignaled WRs (errors and flushes only); last: the signaled one
-    batch_wait* b = nullptr;
-    std::uint32_t slots = 0;
-    std::size_t partial = 0;  // ibv_post_send took only a prefix: its WRs, each to be flushed
-    ibv_wc_status early_status = IBV_WC_SUCCESS, status = IBV_WC_SUCCESS;
-
-    static void on_early(wr_ctx* w, const ibv_wc& wc) noexcept {
-      batch_chunk* ch = static_cast<ctx*>(w)->ch;
-      conn_state* c = ch->b->c;
-      if (wc.status != IBV_WC_SUCCESS && ch->early_status == IBV_WC_SUCCESS) ch->early_status = wc.status;
-      if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
-      if (ch->partial > 0) {
-        --c->outstanding;
-        if (--ch->partial == 0) ch->b->chunk_done();
-      }
-    }
-    static void on_last(wr_ctx* w, const ibv_wc& wc) noexcept {
-      batch_chunk* ch = static_cast<ctx*>(w)->ch;
-      conn_state* c = ch->b->c;
-      ch->status = wc.status;
-      --c->outstanding;
-      --c->dom->inflight;
-      c->sq.release(ch->slots);  // the unsignaled WRs before it are complete too
-      if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
-      ch->b->chunk_done();
-    }
-  };
-
-  struct batch_wait {
-    conn_state* c = nullptr;
-    io_context* ctx = nullptr;
-    std::coroutine_handle<> h{};
-    std::size_t pending = 0;  // chunks posted, not completed
-    std::atomic<bool> cancelled{false};
-    using cancel_cb = cancel_in_flight<batch_wait>;
-    std::optional<std::stop_callback<cancel_cb>> scb;
-
-    void chunk_done() noexcept {
-      if (--pending == 0 && h) {
-        scb.reset();
-        ctx->post(std::exchange(h, {}));
-      }
-    }
-    bool await_ready() const noexcept { return pending == 0; }
-    template <class P>
-    void await_suspend(std::coroutine_handle<P> hh) {
-      h = hh;
-      std::stop_token t = stop_token_of(hh);
-      if (t.stop_possible()) scb.emplace(std::move(t), cancel_cb{this});
-    }
-    void await_resume() const noexcept {}
-  };
-
-  // `wrs[i]` and `sges[i]` describe operation i (opcode, remote side, flags,
-  // local sge); `credit[i]`: it consumes a receive on the peer.
+  struct batch_chunk;
   task<result<void>> execute_batch(std::vector<ibv_send_wr> wrs, std::vector<ibv_sge> sges, std::vector<char> credit,
-                                   std::vector<std::shared_ptr<verbs_region>> keep) {
-    auto self = shared_from_this();
-    (void)keep;
-    if (!usable()) co_return disconnected();
-    // In call order with the other operations (post_order), all of it.
-    ordered_turn turn(this);
-    auto order = co_await post_order.lock();
-    if (!order) co_return order.error();
-    // Chunks of at most send_queue_depth WRs (at most one per WR).
-    std::vector<batch_chunk> chunks(wrs.size());
-    batch_wait b;
-    b.c = this;
-    b.ctx = dom->loop;
-    std::size_t posted = 0, first = 0;
-    std::error_code early{};
-    while (first < wrs.size() && !early) {
-      // The chunk [first, end): as many WRs as slots and credits allow now;
-      // only an empty chunk waits, so a batch never holds units while it
-      // waits for more (no deadlock between batches, none with a peer that
-      // holds some of its receive buffers).
-      std::size_t end = first;
-      std::uint32_t credits_taken = 0;
-      while (end < wrs.size() && end - first < opts.send_queue_depth) {
-        if (!sq.try_acquire()) {
-          if (end > first) break;
-          if (auto r = co_await sq.acquire(); !r) {
-            early = r.error();
-            break;
-          }
-        }
-        if (credit[end] && !credits.try_acquire()) {
-          if (end > first) {
-            sq.release();
-            break;
-          }
-          if (auto r = co_await credits.acquire(); !r) {
-            sq.release();
-            early = r.error();
-            break;
-          }
-        }
-        credits_taken += credit[end] ? 1 : 0;
-        ++end;
-      }
-      const auto need = static_cast<std::uint32_t>(end - first);
-      if (!early && !usable()) early = disconnected();
-      if (early) {
-        sq.release(need);
-        credits.release(credits_taken);
-        break;
-      }
-      batch_chunk& ch = chunks[posted];
-      ch.b = &b;
-      ch.slots = need;
-      ch.early.ch = ch.last.ch = &ch;
-      ch.early.on_wc = &batch_chunk::on_early;
-      ch.last.on_wc = &batch_chunk::on_last;
-      bool piggybacked = false;
-      for (std::size_t i = first; i < end; ++i) {
-        ibv_send_wr& wr = wrs[i];
-        wr.sg_list = &sges[i];
-        wr.num_sge = sges[i].length > 0 ? 1 : 0;
-        wr.next = i + 1 < end ? &wrs[i + 1] : nullptr;
-        wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &ch.early : &ch.last));
-        if (i + 1 == end) wr.send_flags |= IBV_SEND_SIGNALED;
-        if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits, on the chunk's first send
-          std::uint32_t n = piggybacked ? 0 : std::min<std::uint32_t>(to_return, 0xffff);
-          piggybacked = true;
-          to_return -= n;
-          wr.imm_data = htonl(n);
-        }
-      }
-      ibv_send_wr* bad = nullptr;
-      if (int e = ibv_post_send(qp, &wrs[first], &bad)) {
-        std::size_t taken = bad ? static_cast<std::size_t>(bad - &wrs[first]) : 0;
-        sq.release(need);
-        credits.release(credits_taken);
-        early = errno_code(e);
-        if (taken > 0) {
-          // A prefix is on the send queue, unsignaled: the connection goes
-          // to error and each of those WRs comes back flushed.
-          ch.partial = taken;
-          outstanding += taken;
-          ++b.pending;
-          if (posted++ == 0) ++inflight_ops;
-          fail(disconnected());
-        }
-        break;
-      }
-      ++outstanding;
-      ++dom->inflight;
-      ++b.pending;
-      if (posted++ == 0) ++inflight_ops;
-      first = end;
-    }
-    turn.done();
-    order->unlock();
-    if (posted > 0 && !early) dom->poll_inline(static_cast<unsigned>(wrs.size()));  // it may be done already
-    if (posted > 0) {
-      co_await b;
-      end_op();
-    }
-    for (std::size_t k = 0; k < posted; ++k) {
-      ibv_wc_status st = chunks[k].early_status != IBV_WC_SUCCESS ? chunks[k].early_status : chunks[k].status;
-      if (st == IBV_WC_SUCCESS) continue;
-      if (b.cancelled.load()) co_return std::make_error_code(std::errc::operation_canceled);
-      if (st == IBV_WC_WR_FLUSH_ERR) co_return early ? early : disconnected();
-      co_return wc_error(st);
-    }
-    if (early) {
-      if (posted > 0) fail(disconnected());  // part of the batch is done: RC has no partial undo
-      co_return early;
-    }
-    co_return result<void>{};
-  }
+                                   std::vector<std::shared_ptr<verbs_region>> keep);
 
   // Local sge for user memory: inline when small (no registration). The
   // registration, if any, is core::local_region's (no reference).
@@ -1077,45 +466,5 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     return r;
   }
 };
-
-inline void core::flush_reposts() noexcept {
-  // Swapped out first: maybe_send_credits may complete work that releases more.
-  std::vector<conn_state*> conns;
-  conns.swap(repost_conns);
-  for (conn_state* c : conns) {
-    c->in_repost_list = false;
-    c->post_released();
-  }
-  conns.clear();
-  if (repost_conns.empty()) repost_conns.swap(conns);  // keep the capacity
-  if (srq_released.empty()) return;
-  std::vector<recv_slot*> slots;
-  slots.swap(srq_released);
-  for (recv_slot* s : slots) {
-    if (!post_srq(*s)) continue;
-    if (conn_state* c = conn_of(s->qp_num)) c->on_srq_credit();
-  }
-  slots.clear();
-  if (srq_released.empty()) srq_released.swap(slots);
-}
-
-
-inline bool core::poll_cq_inlined() {
-  ibv_wc wc[32];
-  int n = ibv_poll_cq(cq, 32, wc);
-  for (int i = 0; i < n; ++i) dispatch(wc[i]);
-  if (n > 0) count_seen(n);
-  if (!graveyard.empty()) reap_graveyard();
-  return n > 0;
-}
-inline void core::dispatch(const ibv_wc& wc) noexcept {
-  auto* w = reinterpret_cast<wr_ctx*>(static_cast<std::uintptr_t>(wc.wr_id));
-  if (w && w->on_wc == &conn_state::op_wait::on_complete)  // a single operation's: the common case
-    static_cast<conn_state::op_wait*>(w)->complete(wc);
-  else if (w)
-    w->on_wc(w, wc);
-  else if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR)
-    on_unsignaled_error(wc);  // an unsignaled send failed: its connection fails
-}
 
 }  // namespace shuttle::detail::verbs_impl

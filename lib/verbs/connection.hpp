@@ -1,7 +1,7 @@
 // verbs_grant (memory windows) and verbs_connection (the connection_impl).
 #pragma once
 
-#include "conn_state.hpp"
+#include "batches.hpp"
 
 namespace shuttle::detail::verbs_impl {
 

@@ -1,5 +1,5 @@
 // The core's cold paths: SRQ growth, the graveyard, unsignaled errors.
-#include "conn_state.hpp"
+#include "operations.hpp"
 
 namespace shuttle::detail::verbs_impl {
 

@@ -1,7 +1,7 @@
 // Memory registration: the domain's regions, the staging slots that sends
 // and writes from memory the library does not own are copied into, and the
 // search for the user registration covering an operation's memory. The
-// domain (core, provider.cpp) keeps them; this holds what needs no NIC to
+// domain (core, core.hpp) keeps them; this holds what needs no NIC to
 // be tested (tests/verbs/test_registration.cpp).
 #pragma once
 

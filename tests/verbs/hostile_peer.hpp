@@ -20,7 +20,7 @@
 
 namespace hostile {
 
-// The provider's wire (lib/verbs/provider.cpp): the hello and the reject's
+// The provider's wire (lib/verbs/cm_events.hpp): the hello and the reject's
 // reason. SHUTTLE_TEST_OLD_WIRE: the hello of the code before the checks
 // (to show that a test fails there).
 inline std::vector<std::uint8_t> hello(std::uint32_t max_slots, std::uint32_t initial, std::uint32_t buffer) {

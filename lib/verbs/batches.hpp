@@ -1,0 +1,184 @@
+// Batches (post_batch): chunks of chained WRs, one ibv_post_send each.
+#pragma once
+
+#include "operations.hpp"
+
+namespace shuttle::detail::verbs_impl {
+
+struct conn_state::batch_wait {
+  conn_state* c = nullptr;
+  io_context* ctx = nullptr;
+  std::coroutine_handle<> h{};
+  std::size_t pending = 0;  // chunks posted, not completed
+  std::atomic<bool> cancelled{false};
+  using cancel_cb = cancel_in_flight<batch_wait>;
+  std::optional<std::stop_callback<cancel_cb>> scb;
+
+  void chunk_done() noexcept {
+    if (--pending == 0 && h) {
+      scb.reset();
+      ctx->post(std::exchange(h, {}));
+    }
+  }
+  bool await_ready() const noexcept { return pending == 0; }
+  template <class P>
+  void await_suspend(std::coroutine_handle<P> hh) {
+    h = hh;
+    std::stop_token t = stop_token_of(hh);
+    if (t.stop_possible()) scb.emplace(std::move(t), cancel_cb{this});
+  }
+  void await_resume() const noexcept {}
+};
+
+struct conn_state::batch_chunk {
+  struct ctx : wr_ctx {
+    batch_chunk* ch = nullptr;
+  } early, last;  // early: the unsignaled WRs (errors and flushes only); last: the signaled one
+  batch_wait* b = nullptr;
+  std::uint32_t slots = 0;
+  std::size_t partial = 0;  // ibv_post_send took only a prefix: its WRs, each to be flushed
+  ibv_wc_status early_status = IBV_WC_SUCCESS, status = IBV_WC_SUCCESS;
+
+  static void on_early(wr_ctx* w, const ibv_wc& wc) noexcept {
+    batch_chunk* ch = static_cast<ctx*>(w)->ch;
+    conn_state* c = ch->b->c;
+    if (wc.status != IBV_WC_SUCCESS && ch->early_status == IBV_WC_SUCCESS) ch->early_status = wc.status;
+    if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
+    if (ch->partial > 0) {
+      --c->outstanding;
+      if (--ch->partial == 0) ch->b->chunk_done();
+    }
+  }
+  static void on_last(wr_ctx* w, const ibv_wc& wc) noexcept {
+    batch_chunk* ch = static_cast<ctx*>(w)->ch;
+    conn_state* c = ch->b->c;
+    ch->status = wc.status;
+    --c->outstanding;
+    --c->dom->inflight;
+    c->sq.release(ch->slots);  // the unsignaled WRs before it are complete too
+    if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
+    ch->b->chunk_done();
+  }
+};
+
+// `wrs[i]` and `sges[i]` describe operation i (opcode, remote side, flags,
+// local sge); `credit[i]`: it consumes a receive on the peer.
+inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs, std::vector<ibv_sge> sges,
+                                                    std::vector<char> credit,
+                                                    std::vector<std::shared_ptr<verbs_region>> keep) {
+  auto self = shared_from_this();
+  (void)keep;
+  if (!usable()) co_return disconnected();
+  // In call order with the other operations (post_order), all of it.
+  ordered_turn turn(this);
+  auto order = co_await post_order.lock();
+  if (!order) co_return order.error();
+  // Chunks of at most send_queue_depth WRs (at most one per WR).
+  std::vector<batch_chunk> chunks(wrs.size());
+  batch_wait b;
+  b.c = this;
+  b.ctx = dom->loop;
+  std::size_t posted = 0, first = 0;
+  std::error_code early{};
+  while (first < wrs.size() && !early) {
+    // The chunk [first, end): as many WRs as slots and credits allow now;
+    // only an empty chunk waits, so a batch never holds units while it
+    // waits for more (no deadlock between batches, none with a peer that
+    // holds some of its receive buffers).
+    std::size_t end = first;
+    std::uint32_t credits_taken = 0;
+    while (end < wrs.size() && end - first < opts.send_queue_depth) {
+      if (!sq.try_acquire()) {
+        if (end > first) break;
+        if (auto r = co_await sq.acquire(); !r) {
+          early = r.error();
+          break;
+        }
+      }
+      if (credit[end] && !credits.try_acquire()) {
+        if (end > first) {
+          sq.release();
+          break;
+        }
+        if (auto r = co_await credits.acquire(); !r) {
+          sq.release();
+          early = r.error();
+          break;
+        }
+      }
+      credits_taken += credit[end] ? 1 : 0;
+      ++end;
+    }
+    const auto need = static_cast<std::uint32_t>(end - first);
+    if (!early && !usable()) early = disconnected();
+    if (early) {
+      sq.release(need);
+      credits.release(credits_taken);
+      break;
+    }
+    batch_chunk& ch = chunks[posted];
+    ch.b = &b;
+    ch.slots = need;
+    ch.early.ch = ch.last.ch = &ch;
+    ch.early.on_wc = &batch_chunk::on_early;
+    ch.last.on_wc = &batch_chunk::on_last;
+    bool piggybacked = false;
+    for (std::size_t i = first; i < end; ++i) {
+      ibv_send_wr& wr = wrs[i];
+      wr.sg_list = &sges[i];
+      wr.num_sge = sges[i].length > 0 ? 1 : 0;
+      wr.next = i + 1 < end ? &wrs[i + 1] : nullptr;
+      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &ch.early : &ch.last));
+      if (i + 1 == end) wr.send_flags |= IBV_SEND_SIGNALED;
+      if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits, on the chunk's first send
+        std::uint32_t n = piggybacked ? 0 : std::min<std::uint32_t>(to_return, 0xffff);
+        piggybacked = true;
+        to_return -= n;
+        wr.imm_data = htonl(n);
+      }
+    }
+    ibv_send_wr* bad = nullptr;
+    if (int e = ibv_post_send(qp, &wrs[first], &bad)) {
+      std::size_t taken = bad ? static_cast<std::size_t>(bad - &wrs[first]) : 0;
+      sq.release(need);
+      credits.release(credits_taken);
+      early = errno_code(e);
+      if (taken > 0) {
+        // A prefix is on the send queue, unsignaled: the connection goes
+        // to error and each of those WRs comes back flushed.
+        ch.partial = taken;
+        outstanding += taken;
+        ++b.pending;
+        if (posted++ == 0) ++inflight_ops;
+        fail(disconnected());
+      }
+      break;
+    }
+    ++outstanding;
+    ++dom->inflight;
+    ++b.pending;
+    if (posted++ == 0) ++inflight_ops;
+    first = end;
+  }
+  turn.done();
+  order->unlock();
+  if (posted > 0 && !early) dom->poll_inline(static_cast<unsigned>(wrs.size()));  // it may be done already
+  if (posted > 0) {
+    co_await b;
+    end_op();
+  }
+  for (std::size_t k = 0; k < posted; ++k) {
+    ibv_wc_status st = chunks[k].early_status != IBV_WC_SUCCESS ? chunks[k].early_status : chunks[k].status;
+    if (st == IBV_WC_SUCCESS) continue;
+    if (b.cancelled.load()) co_return std::make_error_code(std::errc::operation_canceled);
+    if (st == IBV_WC_WR_FLUSH_ERR) co_return early ? early : disconnected();
+    co_return wc_error(st);
+  }
+  if (early) {
+    if (posted > 0) fail(disconnected());  // part of the batch is done: RC has no partial undo
+    co_return early;
+  }
+  co_return result<void>{};
+}
+
+}  // namespace shuttle::detail::verbs_impl
