@@ -37,6 +37,7 @@
 //    only the last WR signaled; the chunk holds its send-queue slots until
 //    that completion. Unsignaled WRs name the chunk's `early` context, which
 //    only ever sees error/flush completions (they come before the chunk's
+//    signaled one, RC completes in order).
 #pragma once
 
 #include "../spin_clock.hpp"
