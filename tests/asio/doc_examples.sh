@@ -10,6 +10,20 @@
 #   cpp03/tutorial/timer5/timer.cpp must end on its own, counting to 10; its
 #     pool (io.run() on main and on a boost::thread) becomes a
 #     shuttle::runtime of two loops: shuttle::asio::run(rt, io) (pool.hpp)
+#   cpp11/echo/async_tcp_echo_server.cpp, cpp20/coroutines/timeout.cpp echo a
+#     client, end on SIGTERM's default action (no signal_set), status 143
+#   cpp20/coroutines/chat_server.cpp: a line reaches another client; SIGINT
+#   cpp11/chat: chat_server + the example's chat_client (its io_context.run()
+#     thread runs the driver; main() posts from its thread): messages both
+#     ways, the client ends on EOF, the server on SIGTERM
+#   cpp11/http/server (io_context_.run() sits in server::run(), server.cpp):
+#     serves a page, ends on SIGINT through its signal_set (out of work)
+#   cpp03/http/client/async_client.cpp: async_resolve("127.0.0.1", "http")
+#     on the driven loop (the resolver thread posts back), fetches the page
+#     from the HTTP server on port 80, ends on its own (skipped when port 80
+#     cannot be bound: not root)
+#   cpp11/parallel_group/wait_for_one.cpp: stdin beats the 5 s timer, ends
+#     on its own
 #
 #   tests/asio/doc_examples.sh BUILD_DIR     (a configured and built build dir)
 #
@@ -71,14 +85,101 @@ move_pool() {
   } >"$dst"
   echo "$dst"
 }
-build_one() {  # source -> binary
+# first FILE: FILE unchanged but for the include line put first (the include
+# rule holds in every translation unit), for multi-file examples.
+first() {
+  local dst="$out/$(basename "$(dirname "$1")")_$(basename "$1")"
+  { echo '#include <shuttle/asio/asio.hpp>  // added: first (the include rule)'; cat "$1"; } >"$dst"
+  echo "$dst"
+}
+build_one() {  # sources... -> binary (named after the first; -I its original dir via $inc)
   local bin="${1%.cpp}"
-  $CXX -std=c++20 -O1 "${sanflags[@]}" -Werror=return-type -isystem "$boost_inc" -Iinclude -I"$build/include" "$1" -o "$bin" \
-    "$lib" -luring -lpthread
+  $CXX -std=c++20 -O1 "${sanflags[@]}" -Werror=return-type -isystem "$boost_inc" -Iinclude -I"$build/include" \
+    ${inc:+-I"$inc"} "$@" -o "$bin" "$lib" -luring -lpthread
   echo "$bin"
 }
-
 status=0
+inc=""
+# The clients (python3): each waits for its port by polling, bounded.
+cat >"$out/client.py" <<'PY'
+import socket, subprocess, sys, time
+def connect(port):
+    for _ in range(400):
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=20)
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"no server on port {port}")
+def recv_exact(s, n):
+    got = b""
+    while len(got) < n:
+        chunk = s.recv(n - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return got
+def recv_line(s):
+    got = b""
+    while not got.endswith(b"\n"):
+        chunk = s.recv(1)
+        if not chunk:
+            break
+        got += chunk
+    return got
+cmd, port = sys.argv[1], int(sys.argv[2])
+if cmd == "wait":
+    connect(port).close()
+elif cmd == "echo":  # echo PORT MSG: prints what came back
+    s = connect(port)
+    msg = sys.argv[3].encode()
+    s.sendall(msg)
+    print(recv_exact(s, len(msg)).decode())
+elif cmd == "chat20":  # line chat: a line from A reaches B (and A)
+    a, b = connect(port), connect(port)
+    # B is in the room once a line from B comes back to B.
+    b.sendall(b"b joined\n")
+    assert recv_line(b) == b"b joined\n"
+    a.sendall(b"hello from a\n")
+    while (line := recv_line(b)) != b"hello from a\n":
+        assert line, "B lost the connection"
+    print("delivered")
+elif cmd == "chat11":  # chat11 PORT CLIENT: the example's chat_client talks to a raw participant
+    def msg(body):
+        return b"%4d" % len(body) + body
+    def read_msg(s):
+        n = int(recv_exact(s, 4).decode())
+        return recv_exact(s, n)
+    a = connect(port)
+    a.sendall(msg(b"hello client"))
+    assert read_msg(a) == b"hello client"  # the room has it (A is in the room)
+    import os, pty
+    mfd, sfd = pty.openpty()  # a terminal: the client's std::cout is line-buffered
+    c = subprocess.Popen([sys.argv[3], "127.0.0.1", str(port)], stdin=subprocess.PIPE,
+                         stdout=sfd, text=True)
+    os.close(sfd)
+    out = os.fdopen(mfd, "r", newline="")
+    got = out.readline().replace("\r", "")  # the room's history, printed by the client
+    assert got == "hello client\n", repr(got)
+    c.stdin.write("hello server\n")
+    c.stdin.flush()
+    while (m := read_msg(a)) != b"hello server":
+        assert m, "A lost the connection"
+    c.stdin.close()  # EOF: the client closes and joins its thread
+    rc = c.wait(timeout=30)
+    assert rc == 0, rc
+    print("delivered both ways, client ended")
+PY
+# serve BIN ARGS...: starts a server in the background, pid in $pid
+serve() { "$@" >"$out/server.log" 2>&1 & pid=$!; }
+# stopped_by SIG RC NAME: sends SIG to $pid and checks its exit status is RC
+# (what the same program does on a plain io_context).
+stopped_by() {
+  kill -"$1" "$pid"
+  local rc=0
+  wait "$pid" || rc=$?
+  [ "$rc" = "$2" ] || { echo "$3: FAILED (exit status $rc on SIG$1, expected $2)"; cat "$out/server.log"; status=1; return 1; }
+}
+
 src=$(move "$ex/cpp03/timers/time_t_timer.cpp" io_context)
 bin=$(build_one "$src")
 if timeout 30 "$bin" >"$out/t1.log" 2>&1; then echo "time_t_timer: ended on its own"
@@ -123,4 +224,93 @@ PY
 kill -INT $pid
 if wait $pid && [ "$reply" = "hello shuttle" ]; then echo "cpp20 echo_server: echoed, ended on SIGINT"
 else echo "cpp20 echo_server: FAILED (reply '$reply')"; cat "$out/echo.log"; status=1; fi
+src=$(move "$ex/cpp11/echo/async_tcp_echo_server.cpp" io_context)
+bin=$(build_one "$src")
+serve "$bin" 55601
+reply=$(python3 "$out/client.py" echo 55601 "hello shuttle") || true
+# No signal_set: SIGTERM's default action ends it (status 143), as on io_context
+# (a background job of a script ignores SIGINT).
+[ "$reply" = "hello shuttle" ] || { echo "cpp11 async_tcp_echo_server: FAILED (reply '$reply')"; status=1; }
+stopped_by TERM 143 "cpp11 async_tcp_echo_server" && [ "$reply" = "hello shuttle" ] &&
+  echo "cpp11 async_tcp_echo_server: echoed, ended on SIGTERM (default action)"
+
+src=$(move "$ex/cpp20/coroutines/timeout.cpp" ctx)
+bin=$(build_one "$src")
+serve "$bin"
+reply=$(python3 "$out/client.py" echo 54321 "hello shuttle") || true
+[ "$reply" = "hello shuttle" ] || { echo "cpp20 timeout: FAILED (reply '$reply')"; status=1; }
+stopped_by TERM 143 "cpp20 timeout" && [ "$reply" = "hello shuttle" ] &&
+  echo "cpp20 timeout: echoed (watchdog armed), ended on SIGTERM (default action)"
+
+src=$(move "$ex/cpp20/coroutines/chat_server.cpp" io_context)
+bin=$(build_one "$src")
+serve "$bin" 55602
+reply=$(python3 "$out/client.py" chat20 55602) || true
+[ "$reply" = delivered ] || { echo "cpp20 chat_server: FAILED (reply '$reply')"; status=1; }
+stopped_by INT 0 "cpp20 chat_server" && [ "$reply" = delivered ] &&
+  echo "cpp20 chat_server: a line reached the other client, ended on SIGINT (its signal_set)"
+
+src=$(move "$ex/cpp11/chat/chat_server.cpp" io_context)
+inc="$ex/cpp11/chat"
+server=$(build_one "$src")
+# chat_client runs io_context.run() on a std::thread: that thread runs the
+# driver instead; main() posts to the context from its own thread.
+l='std::thread t([&io_context](){ io_context.run(); });'
+grep -qF "$l" "$ex/cpp11/chat/chat_client.cpp" || { echo "doc_examples: no '$l' in chat_client.cpp" >&2; exit 1; }
+src="$out/chat_chat_client.cpp"
+{
+  echo '#include <shuttle/asio/asio.hpp>  // added: first (the include rule)'
+  sed 's|std::thread t(\[&io_context\](){ io_context.run(); });|std::thread t([\&io_context](){ shuttle::io_context shuttle_loop; shuttle::asio::asio_driver shuttle_drive(shuttle_loop, io_context); shuttle_drive.run(); });  // was: io_context.run() on the thread|' \
+    "$ex/cpp11/chat/chat_client.cpp"
+} >"$src"
+client=$(build_one "$src")
+inc=""
+serve "$server" 55603
+reply=$(timeout 60 python3 "$out/client.py" chat11 55603 "$client") || true
+[ "$reply" = "delivered both ways, client ended" ] || { echo "cpp11 chat: FAILED (reply '$reply')"; status=1; }
+stopped_by TERM 143 "cpp11 chat_server" && [ "$reply" = "delivered both ways, client ended" ] &&
+  echo "cpp11 chat: server and client (driven on its thread) both ways, client ended on EOF, server on SIGTERM (default action)"
+
+# The HTTP server (cpp11/http/server): its io_context_.run() is in
+# server::run() (server.cpp), called from main(); every file gets the include.
+h="$ex/cpp11/http/server"
+srcs=("$(move "$h/server.cpp" io_context_)")
+for f in "$h"/*.cpp; do [ "$(basename "$f")" = server.cpp ] || srcs+=("$(first "$f")"); done
+inc="$h"
+httpd=$(build_one "${srcs[@]}")
+inc=""
+mkdir -p "$out/www"
+echo "served by asio on shuttle" >"$out/www/index.html"
+# The async HTTP client resolves "<server>" with service "http": port 80,
+# which needs root (CAP_NET_BIND_SERVICE); without it, the server runs on
+# another port and the client case is skipped.
+if python3 -c 'import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", 80))' 2>/dev/null; then
+  http_port=80
+else
+  http_port=55604
+fi
+serve "$httpd" 127.0.0.1 "$http_port" "$out/www"
+python3 "$out/client.py" wait "$http_port" || true
+page=$(python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/index.html", timeout=20).read().decode(), end="")' "$http_port") || true
+[ "$page" = "served by asio on shuttle" ] || { echo "cpp11 http server: FAILED (page '$page')"; status=1; }
+if [ "$http_port" = 80 ]; then
+  src=$(move "$ex/cpp03/http/client/async_client.cpp" io_context)
+  bin=$(build_one "$src")
+  # Its resolver's thread posts the result back: the loop must wake for it.
+  if timeout 30 "$bin" 127.0.0.1 /index.html >"$out/client.log" 2>&1 && grep -q "^served by asio on shuttle" "$out/client.log" &&
+     grep -q "^Content-Type: text/html" "$out/client.log"; then
+    echo "cpp03 http async_client: resolved 127.0.0.1 (async_resolve), got the page, ended on its own"
+  else echo "cpp03 http async_client: FAILED (rc $?)"; cat "$out/client.log"; status=1; fi
+else
+  echo "cpp03 http async_client: SKIPPED (cannot bind port 80, the port it asks for)"
+fi
+stopped_by INT 0 "cpp11 http server" && [ "$page" = "served by asio on shuttle" ] &&
+  echo "cpp11 http server: served a page, ended on SIGINT (its signal_set: out of work)"
+
+src=$(move "$ex/cpp11/parallel_group/wait_for_one.cpp" ctx)
+bin=$(build_one "$src")
+# Input on stdin wins over the 5 s timer (no waiting on the timer).
+if echo hi | timeout 30 "$bin" >"$out/w1.log" 2>&1 && grep -q "^descriptor finished: .*, 3$" "$out/w1.log"; then
+  echo "wait_for_one: the descriptor won, ended on its own (the timer cancelled)"
+else echo "wait_for_one: FAILED"; cat "$out/w1.log"; status=1; fi
 exit $status
