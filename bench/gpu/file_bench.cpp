@@ -4,7 +4,11 @@
 // overlap; with O_DIRECT and buffered), and the loop thread's CPU time
 // over the read (getrusage RUSAGE_THREAD / wall).
 //
-//   gpu_file_bench [FILE=./gpu_file_bench.dat] [GiB=4]
+//   gpu_file_bench [FILE=./gpu_file_bench.dat] [GiB=4] [DEPTHxCHUNK_MiB]
+//
+// DEPTHxCHUNK_MiB sets the uring engine's file_options (default: the
+// library's). SHUTTLE_BENCH_SWEEP="8x4,16x8,..." adds a table of uring
+// O_DIRECT configurations and dd / naive block sizes after the report.
 //
 // FILE is (re)written with a pattern when missing or of another size. Each
 // read starts cold: posix_fadvise(DONTNEED) on the file (O_DIRECT reads
@@ -85,14 +89,15 @@ bool head_ok(const cuda::device_buffer& d, std::size_t len) {
 }
 
 // pread into pinned memory, then cudaMemcpy, chunk after chunk.
-double naive(const std::string& path, bool direct, cuda::device_buffer& d, std::size_t len, bool& ok) {
-  phase(std::string("naive pread+cudaMemcpy loop, ") + (direct ? "O_DIRECT" : "buffered"));
+double naive(const std::string& path, bool direct, cuda::device_buffer& d, std::size_t len, bool& ok,
+             std::size_t chunk = 16 << 20) {
+  phase(std::string("naive pread+cudaMemcpy loop, ") + (direct ? "O_DIRECT" : "buffered") + ", " +
+        std::to_string(chunk >> 20) + " MiB");
   drop_cache(path);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
   if (fd < 0) return ok = false, 0;
   // Page-aligned, pinned with cudaHostRegister (as gpu_file's bounce
   // buffers): memory O_DIRECT can DMA into.
-  const std::size_t chunk = 16 << 20;
   void* m = ::mmap(nullptr, chunk, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   if (m == MAP_FAILED) return ::close(fd), ok = false, 0;
   cuda::check(cudaHostRegister(m, chunk, cudaHostRegisterDefault), "cudaHostRegister");
@@ -112,6 +117,31 @@ double naive(const std::string& path, bool direct, cuda::device_buffer& d, std::
   ::close(fd);
   ok = off == len && head_ok(d, len);
   return t;
+}
+
+// `dd iflag=direct bs=<mib>M` of the whole file to /dev/null; seconds.
+double dd(const std::string& path, unsigned mib) {
+  drop_cache(path);
+  phase("dd iflag=direct bs=" + std::to_string(mib) + "M");
+  auto t0 = clk::now();
+  std::string cmd = "dd if='" + path + "' of=/dev/null bs=" + std::to_string(mib) + "M iflag=direct status=none";
+  int rc = std::system(cmd.c_str());
+  double t = since(t0);
+  if (rc != 0) std::printf("  dd failed (%d)\n", rc);
+  return t;
+}
+
+// "DEPTHxMIB": the uring engine's depth and chunk size in MiB.
+bool parse_config(const char* s, cuda::file_options& o) {
+  char* end = nullptr;
+  unsigned long dep = std::strtoul(s, &end, 10);
+  if (end == s || *end != 'x') return false;
+  const char* c = end + 1;
+  unsigned long mib = std::strtoul(c, &end, 10);
+  if (end == c || *end != '\0' || dep == 0 || dep > 64 || mib == 0 || dep * mib > 1024) return false;
+  o.depth = static_cast<unsigned>(dep);
+  o.chunk_size = std::size_t{mib} << 20;
+  return true;
 }
 
 struct engine_run {
@@ -146,8 +176,10 @@ engine_run run_engine(io_context& ctx, const std::string& path, cuda::file_optio
 int main(int argc, char** argv) {
   std::string path = argc > 1 ? argv[1] : "gpu_file_bench.dat";
   std::size_t gib = argc > 2 ? std::strtoul(argv[2], nullptr, 10) : 4;
-  if (gib == 0 || gib > 64) {
-    std::fprintf(stderr, "usage: gpu_file_bench [FILE] [GiB 1..64]\n");
+  cuda::file_options uo;
+  uo.engine = cuda::file_options::engine_choice::uring;
+  if (gib == 0 || gib > 64 || (argc > 3 && !parse_config(argv[3], uo))) {
+    std::fprintf(stderr, "usage: gpu_file_bench [FILE] [GiB 1..64] [DEPTHxCHUNK_MiB, depth*chunk <= 1024]\n");
     return 2;
   }
   crash_trace::install();
@@ -167,19 +199,11 @@ int main(int argc, char** argv) {
   cuda::device_buffer d(len);
   io_context ctx;
 
-  drop_cache(path);
-  phase("dd iflag=direct");
-  auto t0 = clk::now();
-  std::string cmd = "dd if='" + path + "' of=/dev/null bs=16M iflag=direct status=none";
-  int rc = std::system(cmd.c_str());
-  double t_dd = since(t0);
-  if (rc != 0) std::printf("  dd failed (%d)\n", rc);
+  double t_dd = dd(path, 16);
   bool ok_nd = false, ok_nb = false;
   double t_nd = naive(path, true, d, len, ok_nd);
   double t_nb = naive(path, false, d, len, ok_nb);
 
-  cuda::file_options uo;
-  uo.engine = cuda::file_options::engine_choice::uring;
   engine_run u = run_engine(ctx, path, uo, d, len, "uring O_DIRECT");
   cuda::file_options bo = uo;
   bo.direct = false;
@@ -213,7 +237,40 @@ int main(int argc, char** argv) {
   if (cufile_ran)
     std::printf("ratios (cufile): %.2f of dd, %.2fx naive direct, loop thread %.1f%% busy\n", t_dd / c.secs,
                 t_nd / c.secs, 100 * c.busy);
-  const int status = (u.ok && ub.ok && ok_nd && ok_nb && (!cufile_ran || c.ok)) ? 0 : 1;
+  bool sweep_ok = true;
+  if (const char* sw = std::getenv("SHUTTLE_BENCH_SWEEP")) {
+    // A table of uring O_DIRECT configurations ("DxM,DxM,...") and dd /
+    // naive block sizes, each cold, with dd bs=16M again at the end: the
+    // same file and cache state as the runs above.
+    std::printf("sweep (%zu GiB, cold each; GB/s):\n", gib);
+    for (unsigned mib : {1u, 4u, 16u, 64u}) std::printf("  dd iflag=direct bs=%uM %6.2f\n", mib, gbs(dd(path, mib)));
+    for (std::size_t mib : {4u, 16u, 64u}) {
+      bool ok = false;
+      double t = naive(path, true, d, len, ok, mib << 20);
+      std::printf("  naive direct %zu MiB    %6.2f%s\n", mib, gbs(t), ok ? "" : "  DATA WRONG");
+      sweep_ok = sweep_ok && ok;
+    }
+    std::string list = sw;
+    for (std::size_t pos = 0; pos < list.size();) {
+      std::size_t e = list.find(',', pos);
+      if (e == std::string::npos) e = list.size();
+      std::string cfg = list.substr(pos, e - pos);
+      pos = e + 1;
+      cuda::file_options o = uo;
+      o.direct = true;
+      if (!parse_config(cfg.c_str(), o)) {
+        std::printf("  uring %s: bad configuration\n", cfg.c_str());
+        sweep_ok = false;
+        continue;
+      }
+      engine_run r = run_engine(ctx, path, o, d, len, ("uring O_DIRECT " + cfg).c_str());
+      std::printf("  uring O_DIRECT %-8s %6.2f  loop thread %4.1f%% busy%s\n", cfg.c_str(), gbs(r.secs), 100 * r.busy,
+                  r.ok ? "" : "  FAILED");
+      sweep_ok = sweep_ok && r.ok;
+    }
+    std::printf("  dd iflag=direct bs=16M (again) %6.2f\n", gbs(dd(path, 16)));
+  }
+  const int status = (sweep_ok && u.ok && ub.ok && ok_nd && ok_nb && (!cufile_ran || c.ok)) ? 0 : 1;
   phase("exiting");  // a crash after this line is in a destructor or at exit
   return status;
 }

@@ -8,7 +8,7 @@
 # Runs: the cuFile declarations against the machine's cufile.h (where a
 # C++ compiler is there), shuttle-info, the gpu-file tests without and with
 # cuFile's compatibility mode, weights_push (512 MiB) on each engine, and
-# the 2 GiB cold-cache bench: about 5 minutes at most. Files go to
+# the 2 GiB cold-cache bench with its depth x chunk sweep: about 7 minutes at most. Files go to
 # $GPU_FILE_DIR (default /var/tmp, the disk). Every binary runs with stdout
 # line-buffered, core dumps off, and its own backtrace on a crash (glibc
 # 2.39 has no catchsegv; examples/crash_trace.hpp prints the executable
@@ -90,7 +90,11 @@ step "weights_push, engine cufile (compatibility mode)" 90 \
   "${COMPAT[@]}" SHUTTLE_FILE_ENGINE=cufile "$D/shuttle-weights-push" "$W/weights.dat"
 rm -f "$W/weights.dat" "$W/weights.dat.part"
 
-step "gpu_file_bench 2 GiB" 120 "${COMPAT[@]}" "$D/gpu_file_bench" "$W/bench.dat" 2
+# SHUTTLE_BENCH_SWEEP adds a table of uring depth x chunk configurations
+# and dd / naive block sizes, same file, cold each (about a minute).
+step "gpu_file_bench 2 GiB" 300 "${COMPAT[@]}" \
+  SHUTTLE_BENCH_SWEEP=${SHUTTLE_BENCH_SWEEP-1x16,2x16,4x16,8x16,16x16,8x4,16x4,32x4,16x8,32x8,4x64,8x32} \
+  "$D/gpu_file_bench" "$W/bench.dat" 2
 rm -f "$W/bench.dat"
 echo "=== cuFile log ($CUFILE_LOG), last 20 lines"
 tail -n 20 "$CUFILE_LOG" 2>/dev/null || echo "(none written)"
