@@ -94,6 +94,8 @@ class connection_impl;
 class listener_impl;
 class domain_impl;
 class grant_impl;
+// lib/'s access to a handle's implementation (lib/transport/provider.hpp).
+struct impl_access;
 }  // namespace detail
 
 // A registered memory range (ibv_mr). Deregistered when the last copy goes.
@@ -110,9 +112,9 @@ class memory_region {
   // The descriptor a peer needs for one-sided access to [offset, offset+len).
   remote_buffer remote(std::size_t offset = 0, std::size_t len = SIZE_MAX) const noexcept;
   explicit operator bool() const noexcept { return static_cast<bool>(impl_); }
-  const std::shared_ptr<detail::region_impl>& impl() const noexcept { return impl_; }
 
  private:
+  friend struct detail::impl_access;
   std::shared_ptr<detail::region_impl> impl_;
 };
 
@@ -151,9 +153,9 @@ class memory_grant {
   remote_buffer remote() const noexcept;
   // Granted, and not revoked (nor its connection destroyed) since.
   explicit operator bool() const noexcept;
-  detail::grant_impl* impl() const noexcept { return impl_.get(); }
 
  private:
+  friend struct detail::impl_access;
   std::unique_ptr<detail::grant_impl> impl_;
 };
 
@@ -568,9 +570,9 @@ class domain {
   task<result<connection>> connect(endpoint remote, connection_options opts = {});
   result<listener> listen(endpoint local, connection_options opts = {}, listener_options limits = {});
 
-  detail::domain_impl* impl() const noexcept { return impl_.get(); }
 
  private:
+  friend struct detail::impl_access;
   explicit domain(std::shared_ptr<detail::domain_impl> impl) noexcept : impl_(std::move(impl)) {}
   std::shared_ptr<detail::domain_impl> impl_;
 };

@@ -47,7 +47,7 @@ task<result<void>> local_connection::revoke(grant_impl& g) {
 result<memory_grant> local_connection::make_grant(const memory_region& r, std::size_t offset, std::size_t len,
                                                   unsigned rights) {
   if (auto c = check_grant(r, offset, len, rights); !c) return c.error();
-  auto region = std::dynamic_pointer_cast<local_region>(r.impl());
+  auto region = std::dynamic_pointer_cast<local_region>(impl_access::of(r));
   if (!region || region->dom != x_.dom) return std::make_error_code(std::errc::invalid_argument);
   if (s_->state() != tp::conn_state::phase::open) return make_error_code(errc::disconnected);
   auto e = std::make_shared<tp::grant_entry>();

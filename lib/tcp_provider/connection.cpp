@@ -47,7 +47,7 @@ task<result<void>> tcp_connection::revoke(grant_impl& g) {
 result<memory_grant> tcp_connection::make_grant(const memory_region& r, std::size_t offset, std::size_t len,
                                                 unsigned rights) {
   if (auto c = check_grant(r, offset, len, rights); !c) return c.error();
-  auto region = std::dynamic_pointer_cast<tcp_region>(r.impl());
+  auto region = std::dynamic_pointer_cast<tcp_region>(impl_access::of(r));
   if (!region || region->dom != s_->dom) return std::make_error_code(std::errc::invalid_argument);
   if (s_->state() != conn_state::phase::open) return err(errc::disconnected);
   auto e = std::make_shared<grant_entry>();

@@ -8,6 +8,14 @@
 
 namespace shuttle::detail {
 
+// A handle's implementation, for the providers' own casts (a region or a
+// domain handed back to the provider that made it).
+struct impl_access {
+  static const std::shared_ptr<region_impl>& of(const memory_region& r) noexcept { return r.impl_; }
+  static grant_impl* of(const memory_grant& g) noexcept { return g.impl_.get(); }
+  static domain_impl* of(const domain& d) noexcept { return d.impl_.get(); }
+};
+
 class region_impl {
  public:
   virtual ~region_impl() = default;

@@ -130,8 +130,8 @@ task<result<memory_grant>> connection::grant(const memory_region& r, std::size_t
   return impl_->grant(r, offset, len, rights);
 }
 task<result<void>> connection::revoke(memory_grant& g) {
-  if (!g.impl() || g.impl()->owner != impl_.get() || !impl_) return invalid_grant();
-  return impl_->revoke(*g.impl());
+  if (!detail::impl_access::of(g) || detail::impl_access::of(g)->owner != impl_.get() || !impl_) return invalid_grant();
+  return impl_->revoke(*detail::impl_access::of(g));
 }
 task<result<void>> connection::close() { return impl_ ? impl_->close() : not_connected<void>(); }
 bool connection::is_open() const noexcept { return impl_ && impl_->is_open(); }

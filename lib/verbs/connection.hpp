@@ -48,7 +48,7 @@ class verbs_connection final : public connection_impl {
                                    unsigned rights) override {
     conn_state* s = s_.get();
     if (auto c = check_grant(r, offset, len, rights); !c) return ready(c.error());
-    auto vr = std::dynamic_pointer_cast<verbs_region>(r.impl());
+    auto vr = std::dynamic_pointer_cast<verbs_region>(impl_access::of(r));
     if (!vr || vr->pd != s->dom->pdh) return ready(std::make_error_code(std::errc::invalid_argument));
     if (!s->dom->has_type2_windows() || vr->device_memory) return ready(make_error_code(errc::not_supported));
     if (!s->usable()) return ready(disconnected());

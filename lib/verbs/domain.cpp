@@ -90,21 +90,21 @@ result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opt
 namespace shuttle::verbs {
 
 result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget) {
-  auto* v = dynamic_cast<detail::verbs_domain*>(d.impl());
+  auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
   if (!v) return make_error_code(errc::not_supported);
   v->get().budget = budget;
   return {};
 }
 
 result<domain_stats> stats(const domain& d) {
-  auto* v = dynamic_cast<detail::verbs_domain*>(d.impl());
+  auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
   if (!v) return make_error_code(errc::not_supported);
   return v->get().st;
 }
 
 result<memory_region> register_dmabuf(domain& d, int fd, std::uint64_t offset, std::size_t length,
                                       std::uint64_t iova, unsigned access_flags) {
-  auto* v = dynamic_cast<detail::verbs_domain*>(d.impl());
+  auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
   if (!v) return make_error_code(errc::not_supported);
 #ifdef SHUTTLE_HAVE_VERBS_DMABUF
   return v->get().register_dmabuf(fd, offset, length, iova, access_flags);
