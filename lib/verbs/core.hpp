@@ -127,10 +127,10 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // (see finish_setup). For at most 32 work requests between two turns of
   // the loop: an operation that completes at once does not suspend, so a
   // coroutine issuing them in a row would otherwise never let the loop (its
-  // timers, the other coroutines) run. 32 small operations are ~100 us on a
-  // NIC; a suspension costs the latency path two reference counts and a turn
-  // of the loop (at 8: 30 user-space instructions more per read_lat round
-  // trip). A batch counts its work requests.
+  // timers, the other coroutines) run, and a suspension costs the latency
+  // path two reference counts and a turn of the loop (the limit's measured
+  // cost: docs/measurements.md, 2026-12-02). A batch counts its work
+  // requests.
   [[gnu::always_inline]] void poll_inline(unsigned wrs = 1) {
     if (take_inline_look(wrs)) poll_cq_inlined();
   }

@@ -109,8 +109,8 @@ struct conn_state::posted_op : op_wait {
     wr.opcode = opcode;
     wr.send_flags = 0;
   }
-  // Inlined into the launch (finish_setup): a call's prologue and
-  // epilogue cost a tenth of this path in an emulated guest.
+  // Inlined into the launch (finish_setup): a call's prologue and epilogue
+  // are a measurable part of this path (docs/measurements.md, 2026-12-02).
   [[gnu::always_inline]] bool await_ready() noexcept {
     set_post_fields();
     return post();
