@@ -48,12 +48,10 @@ class local_connection final : public connection_impl {
   // null: it goes through the engine (operations.cpp).
   std::byte* direct(const remote_buffer& r, std::size_t len, unsigned right) noexcept;
   bool peer_hung_up() noexcept;
-  result<memory_grant> make_grant(const memory_region& r, std::size_t offset, std::size_t len, unsigned rights);
 
   std::shared_ptr<tp::conn_state> s_;
   conn_ext& x_;
-  std::vector<std::shared_ptr<tp::grant_entry>> grants_;  // revoked with the connection
-  tp::tcp_connection inner_;                              // last: destroyed (aborted) first
+  tp::tcp_connection inner_;  // last: destroyed (aborted, its grants revoked) first
 };
 
 }  // namespace shuttle::detail::local_provider
