@@ -22,21 +22,18 @@ endpoint::endpoint(const sockaddr* sa, socklen_t len) noexcept {
   std::memcpy(&addr_, sa, len_);
 }
 
-endpoint endpoint::loopback(std::uint16_t port) noexcept {
+namespace {
+endpoint ipv4(std::uint32_t host_order_addr, std::uint16_t port) noexcept {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_addr.s_addr = htonl(host_order_addr);
   return endpoint(reinterpret_cast<sockaddr*>(&a), sizeof a);
 }
+}  // namespace
 
-endpoint endpoint::any(std::uint16_t port) noexcept {
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  return endpoint(reinterpret_cast<sockaddr*>(&a), sizeof a);
-}
+endpoint endpoint::loopback(std::uint16_t port) noexcept { return ipv4(INADDR_LOOPBACK, port); }
+endpoint endpoint::any(std::uint16_t port) noexcept { return ipv4(INADDR_ANY, port); }
 
 result<endpoint> endpoint::parse(std::string_view s) {
   std::string_view host, port;

@@ -57,10 +57,7 @@ class tcp_domain final : public domain_impl {
   }
 
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned flags) override {
-    if (mem.empty() || (flags & ~access::all) != 0) return std::make_error_code(std::errc::invalid_argument);
-    // As ibv_reg_mr: remote write and atomic rights need local write.
-    if ((flags & (access::remote_write | access::remote_atomic)) && !(flags & access::local_write))
-      return std::make_error_code(std::errc::invalid_argument);
+    if (auto c = check_registration(mem, flags); !c) return c.error();
     domain_state::cache_key key{reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), flags};
     if (auto it = st_->cache.find(key); it != st_->cache.end()) {
       if (auto r = st_->find(it->second)) return memory_region(std::move(r));

@@ -107,6 +107,16 @@ inline constexpr launch_table launch_table_of = {
 
 // connection::grant's checks that need no provider: the registration's
 // domain is the provider's to check.
+// What register_memory accepts on every provider: a non-empty range, known
+// flags, and (as ibv_reg_mr) remote write or atomic rights only with local
+// write.
+inline result<void> check_registration(std::span<std::byte> mem, unsigned flags) noexcept {
+  if (mem.empty() || (flags & ~access::all) != 0) return std::make_error_code(std::errc::invalid_argument);
+  if ((flags & (access::remote_write | access::remote_atomic)) && !(flags & access::local_write))
+    return std::make_error_code(std::errc::invalid_argument);
+  return {};
+}
+
 inline result<void> check_grant(const memory_region& r, std::size_t offset, std::size_t len,
                                 unsigned rights) noexcept {
   constexpr unsigned remote_rights = access::remote_write | access::remote_read | access::remote_atomic;
