@@ -256,7 +256,9 @@ struct listener_options {
   // An accepted connection on which nothing arrives from the peer for this
   // long fails with errc::idle_timeout (0: never). tcp provider: no byte
   // of data (the kernel's time of the last data received, checked about
-  // once per timeout); it fails up to about a sixteenth of it late.
+  // once per timeout); it fails up to about a sixteenth of it late. local
+  // provider: no frame through the socket (direct accesses in shared
+  // memory are not seen, as on verbs), the same lateness.
   std::chrono::milliseconds idle_timeout{0};
   // Told, on the listener's loop, of each peer refused or dropped before
   // accept() could return it (a cap, a deadline, a bad hello), with its

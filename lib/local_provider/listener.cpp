@@ -89,9 +89,6 @@ result<std::pair<tcp_listener, endpoint>> bind_name(const endpoint& local) {
 
 result<listener> listen(std::shared_ptr<domain_state> dom, const endpoint& local, connection_options opts,
                         listener_options limits) {
-  // The engine's idle watch reads TCP_INFO, which a Unix socket has not:
-  // refused rather than ignored.
-  if (limits.idle_timeout.count() > 0) return make_error_code(errc::not_supported);
   auto bound = bind_name(local);
   if (!bound) return bound.error();
   tp::engine_hooks hooks;

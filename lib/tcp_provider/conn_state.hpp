@@ -199,6 +199,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   std::stop_source stop;
   task_group tasks;                    // the reader, the writer, the idle watch
   std::shared_ptr<live_count> origin;  // the listener's count, for a connection it accepted
+  std::uint64_t frames_in = 0;         // frames the reader has taken (the idle watch of a Unix socket)
   // A provider built on this engine (lib/local_provider): its own state of
   // the connection, from its handshake to its connection object.
   std::shared_ptr<void> ext;

@@ -42,6 +42,37 @@ task<void> idle_watch(std::shared_ptr<conn_state> s, std::chrono::milliseconds l
   }
 }
 
+// The same where the socket has no TCP_INFO (the local provider's Unix
+// socket): the frames the reader has taken, looked at every sixteenth of
+// `limit`, so it fires between `limit` and `limit` plus a sixteenth of it
+// after the last frame. Accesses a local peer makes directly in shared
+// memory are not seen, as an RDMA peer's one-sided accesses are not.
+task<void> idle_watch_frames(std::shared_ptr<conn_state> s, std::chrono::milliseconds limit) {
+  const auto step = std::max(limit / 16, std::chrono::milliseconds(1));
+  std::uint64_t seen = s->frames_in;
+  std::chrono::milliseconds quiet{0};
+  while (s->state() == conn_state::phase::open) {
+    if (!co_await sleep_for(step)) break;  // the connection stopped
+    if (s->state() != conn_state::phase::open) break;
+    if (s->frames_in != seen) {
+      seen = s->frames_in;
+      quiet = {};
+      continue;
+    }
+    quiet += step;
+    if (quiet >= limit) {
+      s->enter_error(err(errc::idle_timeout));
+      break;
+    }
+  }
+}
+
+bool has_tcp_info(const tcp_socket& sock) noexcept {
+  tcp_info info{};
+  socklen_t len = sizeof info;
+  return ::getsockopt(sock.native_handle(), IPPROTO_TCP, TCP_INFO, &info, &len) == 0;
+}
+
 // A listener's state, shared with its handshakes: they end a loop turn after
 // close() (their stop is requested) and may outlive it.
 struct listener_core {
@@ -168,7 +199,10 @@ struct listener_core {
     ++c->live->n;
     (*s)->start();
     if (c->limits.idle_timeout.count() > 0)
-      spawn_in((*s)->tasks, idle_watch(*s, c->limits.idle_timeout), (*s)->stop.get_token());
+      spawn_in((*s)->tasks,
+               has_tcp_info((*s)->sock) ? idle_watch(*s, c->limits.idle_timeout)
+                                        : idle_watch_frames(*s, c->limits.idle_timeout),
+               (*s)->stop.get_token());
     connection conn = c->hooks.make ? c->hooks.make(std::move(*s)) : make_connection(std::move(*s));
     // Closed meanwhile: `conn` closes here (may_start_handshake() kept room
     // in the backlog for it).

@@ -182,6 +182,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
       ec = err(errc::protocol_error);
       break;
     }
+    ++s->frames_in;
     std::span<std::byte> dst;
     action a;
     try {

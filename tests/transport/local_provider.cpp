@@ -33,6 +33,9 @@ using namespace std::chrono_literals;
 
 namespace {
 
+constexpr auto deadline = 30s;  // a wait of these tests; a hang fails here
+using clock = std::chrono::steady_clock;
+
 domain_options local_options() {
   domain_options o;
   o.kind = transport_kind::local;
@@ -574,7 +577,7 @@ TEST_CASE("local wire: what decodes is well-formed; garbage never does") {
   CHECK(lw::decode_hello(h).error() == make_error_code(errc::not_a_shuttle_peer));
 }
 
-TEST_CASE("endpoints: abstract names and socket files; local_endpoint; closed listeners; no idle timeout") {
+TEST_CASE("endpoints: abstract names and socket files; local_endpoint; closed listeners") {
   io_context ctx;
   ctx.run([]() -> task<void> {
     auto sd = domain::open(local_options()).value();
@@ -604,8 +607,39 @@ TEST_CASE("endpoints: abstract names and socket files; local_endpoint; closed li
     CHECK_FALSE(none.has_value());
     CHECK_FALSE(endpoint::unix_socket("").has_value());
     CHECK_FALSE(endpoint::unix_socket(std::string(200, 'x')).has_value());
-    listener_options idle;
-    idle.idle_timeout = 1s;
-    CHECK(sd.listen(endpoint::loopback(0), {}, idle).error() == make_error_code(errc::not_supported));
+  }());
+}
+
+// A Unix socket has no TCP_INFO: the idle watch counts the frames the
+// reader takes. A silent peer fails with errc::idle_timeout; a peer that
+// keeps sending for longer than the timeout does not.
+TEST_CASE("idle_timeout: a silent connection fails with errc::idle_timeout, a busy one does not") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    listener_options lim;
+    lim.idle_timeout = 2s;
+    lpair idle, busy;
+    co_await make_lpair(idle, lim);
+    co_await make_lpair(busy, lim);
+    auto keep_busy = [&]() -> task<void> {
+      std::array<std::byte, 8> b{};
+      auto until = clock::now() + 3s;
+      while (clock::now() < until) {
+        REQUIRE((co_await busy.client.send(b)).has_value());
+        auto m = co_await with_timeout(busy.server.recv(), deadline);
+        REQUIRE(m.has_value());
+        (void)co_await sleep_for(50ms);
+      }
+    };
+    auto stay_silent = [&]() -> task<void> {
+      auto r = co_await with_timeout(idle.server.recv(), deadline);
+      REQUIRE_FALSE(r.has_value());
+      CHECK(r.error() == make_error_code(errc::idle_timeout));
+      CHECK_FALSE(idle.server.is_open());
+    };
+    co_await when_all(keep_busy(), stay_silent());
+    CHECK(busy.server.is_open());
+    co_await close_lpair(busy);
+    co_await close_lpair(idle);
   }());
 }
