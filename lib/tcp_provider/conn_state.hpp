@@ -340,8 +340,9 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
                                             std::span<const std::byte> payload, std::span<std::byte> read_dst);
   static task<result<void>> submit_void(std::shared_ptr<conn_state> s, header h,
                                         std::span<const std::byte> payload);
+  // `failed`, where given: on an error, the index of the failing operation.
   static task<result<void>> submit_batch(std::shared_ptr<conn_state> s, std::vector<header> hs,
-                                         std::span<const operation> ops);
+                                         std::span<const operation> ops, std::size_t* failed = nullptr);
   static task<result<message>> recv(std::shared_ptr<conn_state> s);
   static task<result<void>> close(std::shared_ptr<conn_state> s);
 
