@@ -12,8 +12,12 @@
 // deep enough for the whole list, as issue 31 measures it); "transfer" is
 // the time to its completion.
 //
+// With --rails R (R > 1), striping instead: one N*B transfer over a
+// connection_group of R connections to the target against the same
+// transfer over one of them, alternated; the ratio is group / one.
+//
 // Usage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read]
-//                     [--transport tcp|verbs|local] [--addr IP]
+//                     [--rails R] [--transport tcp|verbs|local] [--addr IP]
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
@@ -37,7 +41,7 @@ using bench_clock = std::chrono::steady_clock;
 namespace {
 
 struct config {
-  std::size_t blocks = 1000, block_size = 4096, iters = 30;
+  std::size_t blocks = 1000, block_size = 4096, iters = 30, rails = 1;
   bool read = false;
   transport_kind kind = transport_kind::tcp;
   std::string addr = "127.0.0.1";
@@ -46,7 +50,7 @@ struct config {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "blocks_bench: %s\nusage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] "
-               "[--transport tcp|verbs|local] [--addr IP]\n",
+               "[--rails R] [--transport tcp|verbs|local] [--addr IP]\n",
                why);
   std::exit(2);
 }
@@ -70,6 +74,7 @@ config parse(int argc, char** argv) {
     else if (a == "--block-size") c.block_size = number(next());
     else if (a == "--iters") c.iters = number(next());
     else if (a == "--read") c.read = true;
+    else if (a == "--rails") c.rails = number(next());
     else if (a == "--addr") c.addr = next();
     else if (a == "--transport") {
       auto k = parse_transport_kind(next());
@@ -115,11 +120,18 @@ int target(const config& c, int port_pipe) {
     ::close(port_pipe);
     auto conn = co_await with_timeout(l.accept(), 30s);
     if (!conn) co_return 1;
+    std::vector<connection> more;  // the other rails
+    for (std::size_t i = 1; i < c.rails; ++i) {
+      auto m = co_await with_timeout(l.accept(), 30s);
+      if (!m) co_return 1;
+      more.push_back(std::move(*m));
+    }
     std::array<std::byte, remote_buffer::wire_size> desc;
     mr.remote().serialize(desc);
     if (!co_await conn->send(desc)) co_return 1;
     auto done = co_await conn->recv();
     (void)co_await conn->close();
+    for (auto& m : more) (void)co_await m.close();
     co_return done ? 0 : 1;
   }());
 }
@@ -168,6 +180,53 @@ task<sample> timed(Start start, bool& ok) {
                    std::chrono::duration<double, std::micro>(t2 - t0).count()};
 }
 
+// One N*B transfer over a group of c.rails connections (the first is
+// `conn`'s twin: a group of its own connections) against one connection.
+task<int> striping(const config& c, domain& d, connection& conn, std::vector<connection> others,
+                   std::span<std::byte> mem, remote_buffer remote) {
+  const std::size_t bytes = c.blocks * c.block_size;
+  std::vector<connection> rails;
+  for (auto& o : others) rails.push_back(std::move(o));
+  // The group gets the other rails plus one more: conn stays the single
+  // connection's baseline, used alone, in turn with the group.
+  rails.push_back(std::move(conn));
+  connection_group g(std::move(rails));
+  auto whole = remote.slice(0, bytes).value();
+  std::span<std::byte> data = mem.first(bytes);
+  auto grouped = [&](bool& ok) -> task<void> {
+    auto r = c.read ? co_await g.read(data, whole) : co_await g.write(data, whole);
+    ok = ok && r.has_value();
+  };
+  auto single = [&](bool& ok) -> task<void> {
+    connection& one = g.rail(g.size() - 1);
+    auto r = c.read ? co_await one.read(data, whole) : co_await one.write(data, whole);
+    ok = ok && r.has_value();
+  };
+  bool ok = true;
+  std::vector<sample> gs, ss;
+  for (std::size_t i = 0; i < c.iters + 2 && ok; ++i) {
+    auto a = co_await timed(grouped, ok);
+    auto b = co_await timed(single, ok);
+    if (i >= 2) {
+      gs.push_back(a);
+      ss.push_back(b);
+    }
+  }
+  const char bye[] = "done";
+  (void)co_await g.rail(g.size() - 1).send(std::as_bytes(std::span(bye)));  // the target's first connection
+  (void)co_await g.close();
+  if (!ok) co_return 1;
+  auto sg = summarize(gs, bytes), s1 = summarize(ss, bytes);
+  std::printf("provider %s, %s of %zu bytes, %zu iterations\n", to_string(d.kind()), c.read ? "read" : "write", bytes,
+              c.iters);
+  std::printf("%-12s %10s %14s %14s\n", "", "B/W (GB/s)", "avg xfer(us)", "p99 xfer(us)");
+  std::printf("%-12s %10.3f %14.1f %14.1f\n", (std::to_string(c.rails) + " rails").c_str(), sg.gbps, sg.xfer_avg,
+              sg.xfer_p99);
+  std::printf("%-12s %10.3f %14.1f %14.1f\n", "1 connection", s1.gbps, s1.xfer_avg, s1.xfer_p99);
+  std::printf("ratio rails/one bandwidth: %.3f\n", sg.gbps / s1.gbps);
+  co_return 0;
+}
+
 int initiator(const config& c, std::uint16_t port) {
   io_context ctx;
   return ctx.run([&]() -> task<int> {
@@ -176,6 +235,12 @@ int initiator(const config& c, std::uint16_t port) {
     if (!conn) {
       std::fprintf(stderr, "blocks_bench: connect: %s\n", conn.error().message().c_str());
       co_return 1;
+    }
+    std::vector<connection> others;
+    for (std::size_t i = 1; i < c.rails; ++i) {
+      auto o = co_await with_timeout(d.connect(endpoint::parse(c.addr + ":" + std::to_string(port)).value(), conn_opts(c)), 30s);
+      if (!o) co_return 1;
+      others.push_back(std::move(*o));
     }
     auto desc = co_await conn->recv();
     if (!desc || desc->size() != remote_buffer::wire_size) co_return 1;
@@ -203,6 +268,7 @@ int initiator(const config& c, std::uint16_t port) {
       ok = ok && r.has_value();
       if (!r) std::fprintf(stderr, "blocks_bench: contiguous: %s\n", r.error().message().c_str());
     };
+    if (c.rails > 1) co_return co_await striping(c, d, *conn, std::move(others), mem, remote);
     bool ok = true;
     std::vector<sample> lists, ones;
     const auto before = block_transfer_stats();

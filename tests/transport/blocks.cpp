@@ -249,6 +249,113 @@ TEST_CASE("blocks: a connection without a provider fails at block 0") {
   }());
 }
 
+// ---------------------------------------------------------------- striping
+
+namespace {
+// Two rails from one client domain to one server: group (client side) and
+// the server's connections.
+struct rails_t {
+  std::optional<domain> sd, cd;
+  listener l;
+  std::vector<connection> server;
+  connection_group group;
+};
+task<void> make_rails(rails_t& r, std::size_t n) {
+  r.sd.emplace(domain::open().value());
+  r.cd.emplace(domain::open().value());
+  r.l = r.sd->listen(test_endpoint(0)).value();
+  auto ep = test_endpoint(r.l.local_endpoint()->port());
+  std::vector<connection> client;
+  for (std::size_t i = 0; i < n; ++i) {
+    auto [s, c] = co_await when_all(accept_within_limit(r.l), r.cd->connect(ep));
+    r.server.push_back(std::move(s).value());
+    client.push_back(std::move(c).value());
+  }
+  r.group = connection_group(std::move(client));
+}
+task<void> close_rails(rails_t& r) {
+  (void)co_await r.group.close();
+  for (auto& c : r.server) (void)co_await c.close();
+  r.l.close();
+}
+}  // namespace
+
+TEST_CASE("striping: a list and a contiguous transfer split over two rails, every byte checked") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    rails_t r;
+    co_await make_rails(r, 2);
+    constexpr std::size_t n = 10000, size = 200;
+    auto src = pattern(2 * n * size, 21);
+    std::vector<std::byte> target(2 * n * size, std::byte{0x5A});
+    auto mr = r.sd->register_memory(target, access::all).value();
+    auto blocks = scattered(n, size, 5);
+    const auto before = block_transfer_stats();
+    auto [w, m] = co_await when_all(r.group.write_blocks(src, mr.remote(), blocks, {.notify = 9u}), r.server[0].recv());
+    REQUIRE(w.has_value());
+    CHECK(block_transfer_stats().lists - before.lists == 2);  // both rails took a part
+    CHECK(block_transfer_stats().blocks - before.blocks == n);
+    REQUIRE(m.has_value());
+    CHECK(m->imm() == std::optional<std::uint32_t>(9u));
+    std::size_t bad = 0;
+    for (const block& b : blocks)
+      bad += !std::equal(src.begin() + b.local_offset, src.begin() + b.local_offset + b.length,
+                         target.begin() + b.remote_offset);
+    CHECK(bad == 0);
+    CHECK(r.group.in_flight(0) == 0);
+    CHECK(r.group.in_flight(1) == 0);
+    // One contiguous transfer, both ways.
+    auto big = pattern(3 << 20, 22);
+    REQUIRE((co_await r.group.write(big, mr.remote())).has_value());
+    CHECK(std::equal(big.begin(), big.end(), target.begin()));
+    std::vector<std::byte> back(big.size());
+    REQUIRE((co_await r.group.read(back, mr.remote())).has_value());
+    CHECK(back == big);
+    CHECK((co_await r.group.write(big, mr.remote(0, 100))).error() == std::errc::result_out_of_range);
+    co_await close_rails(r);
+  }());
+}
+
+TEST_CASE("striping: a failed rail fails the transfer; the other rail's part is done") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    rails_t r;
+    co_await make_rails(r, 2);
+    constexpr std::size_t n = 1000, size = 256;
+    auto src = pattern(2 * n * size, 23);
+    std::vector<std::byte> target(2 * n * size, std::byte{0x5A});
+    auto mr = r.sd->register_memory(target, access::all).value();
+    std::vector<block> blocks;
+    for (std::uint64_t i = 0; i < n; ++i) blocks.push_back({i * 2 * size, i * 2 * size, size});
+    // Rail 1 fails: its peer goes away.
+    r.server[1] = connection{};
+    auto w = co_await r.group.write_blocks(src, mr.remote(), blocks);
+    REQUIRE_FALSE(w.has_value());
+    CHECK(matches(w.error(), errc::disconnected));
+    // Equal blocks: rail 1 had the second half.
+    if (r.group.rail(1).kind() != transport_kind::verbs || w.failed_block() != block_result::unknown)
+      CHECK(w.failed_block() == n / 2);
+    for (std::size_t i = 0; i < n / 2; ++i)
+      CHECK(std::equal(src.begin() + blocks[i].local_offset, src.begin() + blocks[i].local_offset + size,
+                       target.begin() + blocks[i].remote_offset));
+    CHECK_FALSE(r.group.rail(1).is_open());
+    CHECK(r.group.rail(0).is_open());
+    co_await close_rails(r);
+  }());
+}
+
+TEST_CASE("striping: an empty group fails at block 0") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_group g;
+    std::vector<std::byte> buf(64);
+    std::vector<block> blocks{{0, 0, 64}};
+    auto r = co_await g.write_blocks(buf, remote_buffer{1, 1, 64}, blocks);
+    CHECK(is_error(r.error(), errc::disconnected));
+    CHECK(r.failed_block() == 0);
+  }());
+}
+
 int main(int argc, char** argv) {
   const char* sel = std::getenv("SHUTTLE_TRANSPORT");
   {
