@@ -23,6 +23,7 @@
 #include <shuttle/tcp.hpp>
 #include <shuttle/timer.hpp>
 #include <shuttle/transport.hpp>
+#include <shuttle/connection_group.hpp>
 #include <shuttle/verbs/verbs.hpp>
 #include <shuttle/when_all.hpp>
 #include <shuttle/when_any.hpp>

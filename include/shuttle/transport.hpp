@@ -283,6 +283,51 @@ struct operation {
   static operation read(std::span<std::byte> l, remote_buffer r) noexcept { return {type::read, l, r, 0}; }
 };
 
+// One block of a block-list transfer (connection::write_blocks /
+// read_blocks): `length` bytes at `local_offset` in the local span and at
+// `remote_offset` in the remote_buffer.
+struct block {
+  std::uint64_t local_offset = 0;
+  std::uint64_t remote_offset = 0;
+  std::uint64_t length = 0;
+};
+
+struct block_options {
+  // write_blocks: the peer is told with this immediate (as write_with_imm:
+  // it takes one of its receive credits and arrives as a message) once every
+  // block is in its memory.
+  std::optional<std::uint32_t> notify{};
+};
+
+// The outcome of a block-list transfer: success, or an error and which
+// block it concerns (failed_block(): its index in the list given;
+// block_result::unknown where the provider cannot tell which: see
+// connection::write_blocks).
+class [[nodiscard]] block_result {
+ public:
+  static constexpr std::size_t unknown = SIZE_MAX;
+  block_result() noexcept = default;
+  block_result(std::error_code ec, std::size_t index) noexcept : ec_(ec), index_(index) {}
+  bool has_value() const noexcept { return !ec_; }
+  explicit operator bool() const noexcept { return has_value(); }
+  std::error_code error() const noexcept { return ec_; }
+  std::size_t failed_block() const noexcept { return index_; }
+
+ private:
+  std::error_code ec_{};
+  std::size_t index_ = unknown;
+};
+
+// What the block-list transfers of this thread have done since it started
+// (they belong to its loop): lists transferred, blocks in them, and the
+// operations (work requests, frames) posted for them after merging.
+struct block_stats {
+  std::uint64_t lists = 0;
+  std::uint64_t blocks = 0;
+  std::uint64_t operations = 0;
+};
+block_stats block_transfer_stats() noexcept;
+
 namespace detail {
 // A provider's single operations: connection_op::await_ready calls the
 // entry straight into the provider's code (one indirect call from co_await),
@@ -479,6 +524,33 @@ class connection {
   // to the error state and the task resumes when no buffer is touched any
   // more.
   task<result<void>> post_batch(std::span<const operation> ops);
+
+  // Block-list transfers (the KV-cache workload: thousands of small blocks
+  // between two regions, as one awaitable). Each block of `blocks` moves
+  // [local_offset, +length) of `local` to [remote_offset, +length) of
+  // `remote` (read_blocks: the other way); `local`, `blocks` and the memory
+  // must stay valid until the task completes. One result for the list.
+  //  - Checks first, nothing posted when one fails, reported with the
+  //    block's index: length 0 (std::errc::invalid_argument), not inside
+  //    `local` or not inside `remote` (std::errc::result_out_of_range). An
+  //    empty list succeeds at once.
+  //  - Blocks that follow each other in both memories (block i+1 starts
+  //    where block i ends, locally and remotely) are merged into one
+  //    operation (at most 1 GiB each).
+  //  - The operations go through post_batch: chains cut to fit the send
+  //    queue, only the last of each chain signaled (verbs), one writev per
+  //    chain (tcp); options.notify turns the last one into a
+  //    write_with_imm, so the peer's message arrives after every block.
+  //  - Errors, cancellation: post_batch's. A failure fails the whole list
+  //    (never a silent partial success); blocks before the failing one have
+  //    been transferred, later ones not, and failed_block() names the first
+  //    block of the failing operation (tcp and local; verbs:
+  //    block_result::unknown once anything is posted, as the provider learns
+  //    a chain's failure, not which of its work requests failed; a
+  //    connection already failed: block 0, errc::disconnected).
+  task<block_result> write_blocks(std::span<const std::byte> local, remote_buffer remote,
+                                  std::span<const block> blocks, block_options options = {});
+  task<block_result> read_blocks(std::span<std::byte> local, remote_buffer remote, std::span<const block> blocks);
 
   // One operation (as a batch's: send, write, write_with_imm, read) built
   // once, to be started many times: see prepared_operation. The arguments

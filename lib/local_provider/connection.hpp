@@ -31,6 +31,9 @@ class local_connection final : public connection_impl {
   void fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add);
 
   task<result<void>> post_batch(std::span<const operation> ops) override { return inner_.post_batch(ops); }
+  task<result<void>> post_batch_at(std::span<const operation> ops, std::size_t& failed) override {
+    return inner_.post_batch_at(ops, failed);
+  }
   result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override { return inner_.prepare(o); }
   task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,
                                    unsigned rights) override;

@@ -17,8 +17,9 @@ task<result<void>> finish_now(std::error_code ec) {
 // together, so the writer sends them in one writev; the peer's cumulative
 // ACK completes them.
 task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::vector<header> hs,
-                                            std::span<const operation> ops) {
+                                            std::span<const operation> ops, std::size_t* failed) {
   std::stop_token token = co_await get_stop_token();
+  if (failed) *failed = 0;
   if (s->error) co_return s->later_error();
   if (token.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
   std::vector<op_rec> recs(ops.size());
@@ -111,8 +112,12 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
     std::stop_callback<canceller> cb(token, canceller{s.get(), recs[queued - 1].seq});
     for (std::size_t i = 0; i < queued; ++i) co_await wait_rec{recs[i]};
   }
-  for (std::size_t i = 0; i < queued; ++i)
-    if (recs[i].ec) co_return token.stop_requested() ? std::make_error_code(std::errc::operation_canceled) : recs[i].ec;
+  for (std::size_t i = 0; i < queued; ++i) {
+    if (!recs[i].ec) continue;
+    if (failed) *failed = i;
+    co_return token.stop_requested() ? std::make_error_code(std::errc::operation_canceled) : recs[i].ec;
+  }
+  if (failed) *failed = queued;
   if (early) {
     if (queued > 0) s->enter_error(err(errc::disconnected));  // part of the batch is done: RC has no partial undo
     co_return early;
@@ -169,15 +174,28 @@ result<header> tcp_connection::header_of(const operation& o) const {
 }
 
 task<result<void>> tcp_connection::post_batch(std::span<const operation> ops) {
+  std::size_t* no_index = nullptr;
+  return post_batch_to(ops, no_index);
+}
+
+task<result<void>> tcp_connection::post_batch_at(std::span<const operation> ops, std::size_t& failed) {
+  std::size_t* index = &failed;
+  return post_batch_to(ops, index);
+}
+
+task<result<void>> tcp_connection::post_batch_to(std::span<const operation> ops, std::size_t* failed) {
   std::vector<header> hs;
   hs.reserve(ops.size());
   for (const operation& o : ops) {
     auto h = header_of(o);
-    if (!h) return finish_now(h.error());
+    if (!h) {
+      if (failed) *failed = hs.size();
+      return finish_now(h.error());
+    }
     hs.push_back(*h);
   }
   if (hs.empty()) return finish_now({});
-  return conn_state::submit_batch(s_, std::move(hs), ops);
+  return conn_state::submit_batch(s_, std::move(hs), ops, failed);
 }
 
 result<std::unique_ptr<prepared_impl>> tcp_connection::prepare(const operation& o) {

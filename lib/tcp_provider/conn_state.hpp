@@ -328,6 +328,17 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   action begin_frame(const header& h, std::span<std::byte>& dst);
   void finish_payload(const header& h);
   result<std::size_t> recv_now(std::span<std::byte> buf);
+  // The reader's read-ahead: a busy connection (past read_ahead_after
+  // frames) reads what follows the bytes it needs in the same syscall, so
+  // that a run of small frames (a block list) costs a recv per
+  // read_ahead_size bytes, not two per frame. Payloads still land straight
+  // in their destination; only what overshoots is copied once.
+  static constexpr std::size_t read_ahead_size = 32768;
+  static constexpr unsigned read_ahead_after = 16;
+  std::unique_ptr<std::byte[]> ahead;
+  std::size_t ahead_begin = 0, ahead_end = 0;
+  unsigned frames_read = 0;
+  result<std::size_t> take_now(std::span<std::byte> buf);
   static task<void> reader_loop(std::shared_ptr<conn_state> s);
 
   // Writer (writer.cpp).
@@ -341,8 +352,9 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
                                             std::span<const std::byte> payload, std::span<std::byte> read_dst);
   static task<result<void>> submit_void(std::shared_ptr<conn_state> s, header h,
                                         std::span<const std::byte> payload);
+  // `failed`, where given: on an error, the index of the failing operation.
   static task<result<void>> submit_batch(std::shared_ptr<conn_state> s, std::vector<header> hs,
-                                         std::span<const operation> ops);
+                                         std::span<const operation> ops, std::size_t* failed = nullptr);
   static task<result<message>> recv(std::shared_ptr<conn_state> s);
   static task<result<void>> close(std::shared_ptr<conn_state> s);
 

@@ -37,6 +37,8 @@ class tcp_connection final : public connection_impl {
   // One operation's request header, as post_batch and prepare build it.
   result<header> header_of(const operation& o) const;
   task<result<void>> post_batch(std::span<const operation> ops) override;
+  task<result<void>> post_batch_at(std::span<const operation> ops, std::size_t& failed) override;
+  task<result<void>> post_batch_to(std::span<const operation> ops, std::size_t* failed);
   result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override;
   task<result<void>> close() override { return conn_state::close(s_); }
   bool is_open() const noexcept override { return s_->state() == conn_state::phase::open; }

@@ -8,8 +8,10 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 
 namespace shuttle::detail::tcp_provider {
 
@@ -162,6 +164,48 @@ result<std::size_t> conn_state::recv_now(std::span<std::byte> buf) {
   return got;
 }
 
+// recv_now with the read-ahead (conn_state::ahead): `buf` is filled from
+// what was read ahead first, then from the socket together with what
+// follows it (one recvmsg, two iovecs).
+result<std::size_t> conn_state::take_now(std::span<std::byte> buf) {
+  std::size_t got = std::min(buf.size(), ahead_end - ahead_begin);
+  if (got) {
+    std::memcpy(buf.data(), ahead.get() + ahead_begin, got);
+    ahead_begin += got;
+  }
+  if (got == buf.size()) return got;
+  if (!ahead) {
+    if (++frames_read < read_ahead_after) {  // an idle or quiet connection holds no read-ahead
+      auto n = recv_now(buf.subspan(got));
+      if (!n) return n;
+      return got + *n;
+    }
+    ahead = std::make_unique<std::byte[]>(read_ahead_size);
+  }
+  ahead_begin = ahead_end = 0;  // empty: got < buf.size() took all of it
+  // Behind a large payload, only the next header: a run of large frames
+  // then lands with no copy at all, as one large transfer does.
+  const std::size_t ahead_len = buf.size() - got >= read_ahead_size / 2 ? header_size : read_ahead_size;
+  while (got < buf.size()) {
+    iovec iov[2] = {{buf.data() + got, buf.size() - got}, {ahead.get(), ahead_len}};
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = 2;
+    ssize_t n = ::recvmsg(sock.native_handle(), &m, MSG_DONTWAIT);
+    if (n > 0) {
+      const std::size_t want = buf.size() - got, u = static_cast<std::size_t>(n);
+      got += std::min(want, u);
+      if (u > want) ahead_end = u - want;
+      continue;
+    }
+    if (n == 0) return err(errc::eof);
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return errno_code(errno);
+    break;
+  }
+  return got;
+}
+
 // The reader is one coroutine whose only suspensions are real waits (the
 // socket, the responder units) and the budget's yield: everything a frame
 // needs when its bytes are there runs in plain calls.
@@ -170,7 +214,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
   std::error_code ec = err(errc::disconnected);
   unsigned frames = 0;  // handled since the loop turn began
   for (;;) {
-    auto got = s->recv_now(hb);
+    auto got = s->take_now(hb);
     if (!got) break;
     if (*got < header_size) {
       auto r = co_await s->sock.read_exact(std::span(hb).subspan(*got));
@@ -201,7 +245,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
       a = s->begin_frame(*h, dst);
     }
     if (a == action::payload) {
-      auto n = s->recv_now(dst);
+      auto n = s->take_now(dst);
       if (!n) break;
       if (*n < dst.size()) {
         auto r = co_await s->sock.read_exact(dst.subspan(*n));

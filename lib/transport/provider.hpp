@@ -44,6 +44,10 @@ class connection_impl {
   virtual ~connection_impl() = default;
   const launch_table& single_ops;
   virtual task<result<void>> post_batch(std::span<const operation> ops) = 0;
+  // post_batch that also says which operation failed: on an error,
+  // `failed` is its index, or ops.size() where the provider cannot tell
+  // (the default: post_batch itself). For block-list transfers.
+  virtual task<result<void>> post_batch_at(std::span<const operation> ops, std::size_t& failed);
   virtual result<std::unique_ptr<prepared_impl>> prepare(const operation& op) = 0;
   virtual task<result<void>> close() = 0;
   virtual bool is_open() const noexcept = 0;

@@ -88,6 +88,10 @@ task<result<memory_grant>> connection_impl::grant(const memory_region&, std::siz
   co_return make_error_code(errc::not_supported);
 }
 task<result<void>> connection_impl::revoke(grant_impl&) { co_return make_error_code(errc::not_supported); }
+task<result<void>> connection_impl::post_batch_at(std::span<const operation> ops, std::size_t& failed) {
+  failed = ops.size();
+  co_return co_await post_batch(ops);
+}
 
 namespace {
 template <class T>

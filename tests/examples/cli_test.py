@@ -25,6 +25,7 @@ BAD_VALUES = {
     "shuttle-echo-client": (["--port", "1", "--recv-ring", "3"], "power of two"),
     "shuttle-perf": (["127.0.0.1", "--depth", "0"], "--depth"),
     "shuttle-transfer": (["--chunk-size", "12q"], "12q"),
+    "shuttle-kv-transfer": (["--layers", "0"], "--layers"),
     "stream_pipeline": (["--batch", "0"], "--batch"),
     "shuttle-gpu-pipeline": (["0"], "'0'"),
     "shuttle-weights-push": (["--piece-mib", "0"], "--piece-mib"),

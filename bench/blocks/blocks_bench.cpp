@@ -1,0 +1,328 @@
+// Block-list transfers against one contiguous transfer of the same bytes,
+// measured in the same run (issue 31's targets), printed as nixlbench does:
+// block size, batch size, bandwidth, average and p99 post time and transfer
+// time per batch, and the ratio of the two bandwidths.
+//
+// The target is a child process (forked first) that registers its memory
+// and hands the initiator its descriptor; the initiator writes (or reads) N
+// blocks of B bytes, block i from local slot i to a shuffled remote slot,
+// slots 2B apart so that nothing merges, and, alternately, one transfer of
+// N*B bytes. "post" is the time write_blocks takes to return to its caller
+// (checks, merging and everything posted or queued: the send queue is made
+// deep enough for the whole list, as issue 31 measures it); "transfer" is
+// the time to its completion.
+//
+// With --rails R (R > 1), striping instead: one N*B transfer over a
+// connection_group of R connections to the target against the same
+// transfer over one of them, alternated; the ratio is group / one.
+//
+// Usage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read]
+//                     [--rails R] [--transport tcp|verbs|local] [--addr IP]
+#include <shuttle/shuttle.hpp>
+#include <shuttle/transport.hpp>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace shuttle;
+using namespace std::chrono_literals;
+using bench_clock = std::chrono::steady_clock;
+
+namespace {
+
+struct config {
+  std::size_t blocks = 1000, block_size = 4096, iters = 30, rails = 1;
+  bool read = false;
+  transport_kind kind = transport_kind::tcp;
+  std::string addr = "127.0.0.1";
+};
+
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "blocks_bench: %s\nusage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] "
+               "[--rails R] [--transport tcp|verbs|local] [--addr IP]\n",
+               why);
+  std::exit(2);
+}
+
+std::size_t number(const char* s) {
+  char* end = nullptr;
+  unsigned long long v = std::strtoull(s, &end, 10);
+  if (!*s || *end || v == 0) usage("bad number");
+  return static_cast<std::size_t>(v);
+}
+
+config parse(int argc, char** argv) {
+  config c;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) usage("missing value");
+      return argv[++i];
+    };
+    if (a == "--blocks") c.blocks = number(next());
+    else if (a == "--block-size") c.block_size = number(next());
+    else if (a == "--iters") c.iters = number(next());
+    else if (a == "--read") c.read = true;
+    else if (a == "--rails") c.rails = number(next());
+    else if (a == "--addr") c.addr = next();
+    else if (a == "--transport") {
+      auto k = parse_transport_kind(next());
+      if (!k) usage("bad transport");
+      c.kind = *k;
+    } else if (a == "--help") {
+      std::printf("blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] [--transport K] [--addr IP]\n");
+      std::exit(0);
+    } else usage("unknown argument");
+  }
+  if (c.blocks * c.block_size > (std::size_t(1) << 30)) usage("N*B over 1 GiB");
+  return c;
+}
+
+connection_options conn_opts(const config& c) {
+  connection_options o;
+  o.send_queue_depth = static_cast<std::uint32_t>(std::max<std::size_t>(c.blocks + 1, 128));
+  return o;
+}
+
+domain open_domain(const config& c) {
+  domain_options o;
+  o.kind = c.kind;
+  auto d = domain::open(o);
+  if (!d) {
+    std::fprintf(stderr, "blocks_bench: domain: %s\n", d.error().message().c_str());
+    std::exit(d.error() == make_error_code(errc::not_supported) ? 77 : 1);
+  }
+  return std::move(*d);
+}
+
+// The target: 2*N*B bytes registered, its descriptor sent, then it waits
+// for the initiator's "done".
+int target(const config& c, int port_pipe) {
+  io_context ctx;
+  return ctx.run([&]() -> task<int> {
+    domain d = open_domain(c);
+    std::vector<std::byte> mem(2 * c.blocks * c.block_size, std::byte{1});
+    auto mr = d.register_memory(mem, access::all).value();
+    auto l = d.listen(endpoint::parse(c.addr + ":0").value(), conn_opts(c)).value();
+    std::uint16_t port = l.local_endpoint()->port();
+    if (::write(port_pipe, &port, sizeof port) != sizeof port) co_return 1;
+    ::close(port_pipe);
+    auto conn = co_await with_timeout(l.accept(), 30s);
+    if (!conn) co_return 1;
+    std::vector<connection> more;  // the other rails
+    for (std::size_t i = 1; i < c.rails; ++i) {
+      auto m = co_await with_timeout(l.accept(), 30s);
+      if (!m) co_return 1;
+      more.push_back(std::move(*m));
+    }
+    std::array<std::byte, remote_buffer::wire_size> desc;
+    mr.remote().serialize(desc);
+    if (!co_await conn->send(desc)) co_return 1;
+    auto done = co_await conn->recv();
+    (void)co_await conn->close();
+    for (auto& m : more) (void)co_await m.close();
+    co_return done ? 0 : 1;
+  }());
+}
+
+struct sample {
+  double post_us, transfer_us;
+};
+
+struct summary {
+  double gbps, post_avg, post_p99, xfer_avg, xfer_p99;
+};
+
+summary summarize(std::vector<sample> v, std::size_t bytes) {
+  summary s{};
+  double total = 0;
+  for (auto& x : v) {
+    s.post_avg += x.post_us;
+    s.xfer_avg += x.transfer_us;
+    total += x.transfer_us;
+  }
+  s.post_avg /= double(v.size());
+  s.xfer_avg /= double(v.size());
+  auto p99 = [&](auto field) {
+    std::vector<double> a;
+    for (auto& x : v) a.push_back(x.*field);
+    std::sort(a.begin(), a.end());
+    return a[std::min(a.size() - 1, static_cast<std::size_t>(double(a.size()) * 0.99))];
+  };
+  s.post_p99 = p99(&sample::post_us);
+  s.xfer_p99 = p99(&sample::transfer_us);
+  s.gbps = double(bytes) * double(v.size()) / (total * 1e-6) / 1e9;
+  return s;
+}
+
+// One timed batch: `start` makes the awaitable; the scope runs it until it
+// first waits (the post), join() until it is done.
+template <class Start>
+task<sample> timed(Start start, bool& ok) {
+  async_scope scope;
+  auto t0 = bench_clock::now();
+  scope.spawn(start(ok));
+  auto t1 = bench_clock::now();
+  co_await scope.join();
+  auto t2 = bench_clock::now();
+  co_return sample{std::chrono::duration<double, std::micro>(t1 - t0).count(),
+                   std::chrono::duration<double, std::micro>(t2 - t0).count()};
+}
+
+// One N*B transfer over a group of c.rails connections (the first is
+// `conn`'s twin: a group of its own connections) against one connection.
+task<int> striping(const config& c, domain& d, connection& conn, std::vector<connection> others,
+                   std::span<std::byte> mem, remote_buffer remote) {
+  const std::size_t bytes = c.blocks * c.block_size;
+  std::vector<connection> rails;
+  for (auto& o : others) rails.push_back(std::move(o));
+  // The group gets the other rails plus one more: conn stays the single
+  // connection's baseline, used alone, in turn with the group.
+  rails.push_back(std::move(conn));
+  connection_group g(std::move(rails));
+  auto whole = remote.slice(0, bytes).value();
+  std::span<std::byte> data = mem.first(bytes);
+  auto grouped = [&](bool& ok) -> task<void> {
+    auto r = c.read ? co_await g.read(data, whole) : co_await g.write(data, whole);
+    ok = ok && r.has_value();
+  };
+  auto single = [&](bool& ok) -> task<void> {
+    connection& one = g.rail(g.size() - 1);
+    auto r = c.read ? co_await one.read(data, whole) : co_await one.write(data, whole);
+    ok = ok && r.has_value();
+  };
+  bool ok = true;
+  std::vector<sample> gs, ss;
+  for (std::size_t i = 0; i < c.iters + 2 && ok; ++i) {
+    auto a = co_await timed(grouped, ok);
+    auto b = co_await timed(single, ok);
+    if (i >= 2) {
+      gs.push_back(a);
+      ss.push_back(b);
+    }
+  }
+  const char bye[] = "done";
+  (void)co_await g.rail(g.size() - 1).send(std::as_bytes(std::span(bye)));  // the target's first connection
+  (void)co_await g.close();
+  if (!ok) co_return 1;
+  auto sg = summarize(gs, bytes), s1 = summarize(ss, bytes);
+  std::printf("provider %s, %s of %zu bytes, %zu iterations\n", to_string(d.kind()), c.read ? "read" : "write", bytes,
+              c.iters);
+  std::printf("%-12s %10s %14s %14s\n", "", "B/W (GB/s)", "avg xfer(us)", "p99 xfer(us)");
+  std::printf("%-12s %10.3f %14.1f %14.1f\n", (std::to_string(c.rails) + " rails").c_str(), sg.gbps, sg.xfer_avg,
+              sg.xfer_p99);
+  std::printf("%-12s %10.3f %14.1f %14.1f\n", "1 connection", s1.gbps, s1.xfer_avg, s1.xfer_p99);
+  std::printf("ratio rails/one bandwidth: %.3f\n", sg.gbps / s1.gbps);
+  co_return 0;
+}
+
+int initiator(const config& c, std::uint16_t port) {
+  io_context ctx;
+  return ctx.run([&]() -> task<int> {
+    domain d = open_domain(c);
+    auto conn = co_await with_timeout(d.connect(endpoint::parse(c.addr + ":" + std::to_string(port)).value(), conn_opts(c)), 30s);
+    if (!conn) {
+      std::fprintf(stderr, "blocks_bench: connect: %s\n", conn.error().message().c_str());
+      co_return 1;
+    }
+    std::vector<connection> others;
+    for (std::size_t i = 1; i < c.rails; ++i) {
+      auto o = co_await with_timeout(d.connect(endpoint::parse(c.addr + ":" + std::to_string(port)).value(), conn_opts(c)), 30s);
+      if (!o) co_return 1;
+      others.push_back(std::move(*o));
+    }
+    auto desc = co_await conn->recv();
+    if (!desc || desc->size() != remote_buffer::wire_size) co_return 1;
+    remote_buffer remote = remote_buffer::deserialize(desc->data().first<remote_buffer::wire_size>());
+    desc->reset();
+    const std::size_t n = c.blocks, b = c.block_size;
+    std::vector<std::byte> mem(2 * n * b, std::byte{2});
+    auto mr = d.register_memory(mem, access::all).value();
+    std::vector<std::size_t> slot(n);
+    std::iota(slot.begin(), slot.end(), 0);
+    std::shuffle(slot.begin(), slot.end(), std::mt19937(1));
+    std::vector<block> blocks(n);
+    for (std::size_t i = 0; i < n; ++i) blocks[i] = {2 * i * b, 2 * slot[i] * b, b};
+    auto whole = remote.slice(0, n * b).value();
+    std::span<std::byte> contiguous(mem.data(), n * b);
+
+    auto list = [&](bool& ok) -> task<void> {
+      block_result r = c.read ? co_await conn->read_blocks(mem, remote, blocks)
+                              : co_await conn->write_blocks(mem, remote, blocks);
+      ok = ok && r.has_value();
+      if (!r) std::fprintf(stderr, "blocks_bench: block %zu: %s\n", r.failed_block(), r.error().message().c_str());
+    };
+    auto one = [&](bool& ok) -> task<void> {
+      result<void> r = c.read ? co_await conn->read(contiguous, whole) : co_await conn->write(contiguous, whole);
+      ok = ok && r.has_value();
+      if (!r) std::fprintf(stderr, "blocks_bench: contiguous: %s\n", r.error().message().c_str());
+    };
+    if (c.rails > 1) co_return co_await striping(c, d, *conn, std::move(others), mem, remote);
+    bool ok = true;
+    std::vector<sample> lists, ones;
+    const auto before = block_transfer_stats();
+    for (std::size_t i = 0; i < c.iters + 2 && ok; ++i) {  // 2 warm-up rounds
+      // Alternated, so that the host's load drifts over both alike.
+      auto sl = co_await timed(list, ok);
+      auto so = co_await timed(one, ok);
+      if (i >= 2) {
+        lists.push_back(sl);
+        ones.push_back(so);
+      }
+    }
+    const auto after = block_transfer_stats();
+    const char bye[] = "done";
+    (void)co_await conn->send(std::as_bytes(std::span(bye)));
+    (void)co_await conn->close();
+    if (!ok) co_return 1;
+    auto sl = summarize(lists, n * b), so = summarize(ones, n * b);
+    std::printf("provider %s (%s), %s, %zu iterations, %.1f operations per list\n", to_string(d.kind()),
+                d.describe().c_str(), c.read ? "read" : "write", c.iters,
+                double(after.operations - before.operations) / double(after.lists - before.lists));
+    std::printf("%-10s %10s %8s %10s %12s %12s %14s %14s %10s\n", "", "block size", "batch", "B/W (GB/s)",
+                "avg post(us)", "p99 post(us)", "avg xfer(us)", "p99 xfer(us)", "post/block");
+    std::printf("%-10s %10zu %8zu %10.3f %12.1f %12.1f %14.1f %14.1f %8.1fns\n", "blocks", b, n, sl.gbps, sl.post_avg,
+                sl.post_p99, sl.xfer_avg, sl.xfer_p99, sl.post_avg * 1e3 / double(n));
+    std::printf("%-10s %10zu %8d %10.3f %12.1f %12.1f %14.1f %14.1f %10s\n", "contiguous", n * b, 1, so.gbps,
+                so.post_avg, so.post_p99, so.xfer_avg, so.xfer_p99, "");
+    std::printf("ratio blocks/contiguous bandwidth: %.3f\n", sl.gbps / so.gbps);
+    co_return 0;
+  }());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  config c = parse(argc, argv);
+  int fds[2];
+  if (::pipe(fds) != 0) return 1;
+  pid_t child = ::fork();  // first: before any provider state exists
+  if (child < 0) return 1;
+  if (child == 0) {
+    ::close(fds[0]);
+    std::_Exit(target(c, fds[1]));
+  }
+  ::close(fds[1]);
+  std::uint16_t port = 0;
+  if (::read(fds[0], &port, sizeof port) != sizeof port) {
+    std::fprintf(stderr, "blocks_bench: the target did not start\n");
+    ::waitpid(child, nullptr, 0);
+    return 1;
+  }
+  int rc = initiator(c, port);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  if (rc == 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) rc = 1;
+  return rc;
+}

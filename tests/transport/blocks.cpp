@@ -1,0 +1,373 @@
+// Block-list transfers (connection::write_blocks / read_blocks, issue 31),
+// provider-neutral: run on tcp and local here and on verbs in the Soft-RoCE
+// guest, as the conformance suite. Exits 77 when the provider selected by
+// SHUTTLE_TRANSPORT is not available.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "common.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+using namespace shuttle;
+using namespace transport_test;
+using namespace std::chrono_literals;
+
+namespace {
+bool all_equal(std::span<const std::byte> m, std::byte v) {
+  return std::all_of(m.begin(), m.end(), [v](std::byte b) { return b == v; });
+}
+// `n` blocks of `size` bytes: block i at local slot i, at a shuffled remote
+// slot, with a gap of `size` after every slot on both sides (nothing merges).
+std::vector<block> scattered(std::size_t n, std::size_t size, unsigned seed) {
+  std::vector<std::size_t> slot(n);
+  std::iota(slot.begin(), slot.end(), 0);
+  std::shuffle(slot.begin(), slot.end(), std::mt19937(seed));
+  std::vector<block> b(n);
+  for (std::size_t i = 0; i < n; ++i) b[i] = {2 * i * size, 2 * slot[i] * size, size};
+  return b;
+}
+}  // namespace
+
+TEST_CASE("blocks: 10,000 scattered blocks written then read back, every byte checked") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    constexpr std::size_t n = 10000, size = 200;  // odd sizes: no alignment luck
+    auto src = pattern(2 * n * size, 11);
+    std::vector<std::byte> target(2 * n * size, std::byte{0x5A});
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    auto src_mr = p.client_domain->register_memory(src, access::local_write).value();
+    auto blocks = scattered(n, size, 3);
+    const auto before = block_transfer_stats();
+    auto [w, m] = co_await when_all(p.client.write_blocks(src, mr.remote(), blocks, {.notify = 77u}), p.server.recv());
+    REQUIRE(w.has_value());
+    CHECK(block_transfer_stats().operations - before.operations == n);  // none adjacent: none merged
+    // The notification arrives after every block.
+    REQUIRE(m.has_value());
+    CHECK(m->imm() == std::optional<std::uint32_t>(77u));
+    std::size_t bad = 0;
+    for (const block& b : blocks) {
+      bad += !std::equal(src.begin() + b.local_offset, src.begin() + b.local_offset + b.length,
+                         target.begin() + b.remote_offset);
+      bad += !all_equal(std::span(target).subspan(b.remote_offset + size, size), std::byte{0x5A});  // the gaps
+    }
+    CHECK(bad == 0);
+    // Read them back into a fresh buffer, to other places.
+    std::vector<std::byte> back(2 * n * size, std::byte{0});
+    auto back_mr = p.client_domain->register_memory(back, access::local_write).value();
+    auto rblocks = scattered(n, size, 4);
+    for (std::size_t i = 0; i < n; ++i) rblocks[i].remote_offset = blocks[i].remote_offset;
+    auto r = co_await p.client.read_blocks(back, mr.remote(), rblocks);
+    REQUIRE(r.has_value());
+    bad = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      bad += !std::equal(src.begin() + blocks[i].local_offset, src.begin() + blocks[i].local_offset + size,
+                         back.begin() + rblocks[i].local_offset);
+    CHECK(bad == 0);
+    CHECK(p.client.is_open());
+    CHECK((co_await p.client.write_blocks(src, mr.remote(), {})).has_value());  // empty: done at once
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("blocks: adjacent blocks are merged, others not") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    auto src = pattern(64 * 1024, 5);
+    std::vector<std::byte> target(64 * 1024, std::byte{0x5A});
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    // 10 runs of 10 adjacent 64-byte blocks (runs 1 KiB apart on both
+    // sides), then 10 blocks adjacent locally but not remotely, then 10
+    // adjacent remotely but not locally: 10 + 10 + 10 operations.
+    std::vector<block> blocks;
+    for (std::uint64_t r = 0; r < 10; ++r)
+      for (std::uint64_t i = 0; i < 10; ++i) blocks.push_back({r * 1024 + i * 64, r * 1024 + i * 64, 64});
+    for (std::uint64_t i = 0; i < 10; ++i) blocks.push_back({16384 + i * 64, 16384 + i * 128, 64});
+    for (std::uint64_t i = 0; i < 10; ++i) blocks.push_back({32768 + i * 128, 32768 + i * 64, 64});
+    const auto before = block_transfer_stats();
+    auto w = co_await p.client.write_blocks(src, mr.remote(), blocks);
+    REQUIRE(w.has_value());
+    const auto after = block_transfer_stats();
+    CHECK(after.lists - before.lists == 1);
+    CHECK(after.blocks - before.blocks == blocks.size());
+    CHECK(after.operations - before.operations == 30);
+    for (const block& b : blocks)
+      CHECK(std::equal(src.begin() + b.local_offset, src.begin() + b.local_offset + b.length,
+                       target.begin() + b.remote_offset));
+    // Read back the same way: merged likewise, same bytes.
+    std::vector<std::byte> back(src.size());
+    auto r = co_await p.client.read_blocks(back, mr.remote(), blocks);
+    REQUIRE(r.has_value());
+    CHECK(block_transfer_stats().operations - after.operations == 30);
+    for (const block& b : blocks)
+      CHECK(std::equal(src.begin() + b.local_offset, src.begin() + b.local_offset + b.length,
+                       back.begin() + b.local_offset));
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("blocks: a bad block is refused with its index before anything is posted") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    auto src = pattern(8192, 6);
+    std::vector<std::byte> target(4096, std::byte{0x5A});
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    std::vector<block> blocks;
+    for (std::uint64_t i = 0; i < 50; ++i) blocks.push_back({i * 64, i * 64, 32});
+    const auto stats = block_transfer_stats();
+    auto with = [&](std::size_t i, block b) {
+      auto v = blocks;
+      v[i] = b;
+      return v;
+    };
+    auto past_remote = with(37, {0, 4096 - 16, 32});
+    auto r = co_await p.client.write_blocks(src, mr.remote(), past_remote);
+    CHECK(r.error() == std::errc::result_out_of_range);
+    CHECK(r.failed_block() == 37);
+    auto past_local = with(12, {8192 - 8, 0, 32});
+    r = co_await p.client.write_blocks(src, mr.remote(), past_local);
+    CHECK(r.error() == std::errc::result_out_of_range);
+    CHECK(r.failed_block() == 12);
+    auto wrapping = with(49, {0, UINT64_MAX - 8, 32});
+    std::vector<std::byte> back(8192);
+    r = co_await p.client.read_blocks(back, mr.remote(), wrapping);
+    CHECK(r.error() == std::errc::result_out_of_range);
+    CHECK(r.failed_block() == 49);
+    auto empty = with(3, {0, 0, 0});
+    r = co_await p.client.write_blocks(src, mr.remote(), empty);
+    CHECK(r.error() == std::errc::invalid_argument);
+    CHECK(r.failed_block() == 3);
+    // Nothing was posted, nothing touched, the connection is fine.
+    CHECK(block_transfer_stats().operations == stats.operations);
+    CHECK(all_equal(target, std::byte{0x5A}));
+    CHECK(all_equal(back, std::byte{0}));
+    CHECK(p.client.is_open());
+    CHECK((co_await p.client.write_blocks(src, mr.remote(), blocks)).has_value());
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("blocks: a block the target refuses fails the list; earlier blocks done, later not") {
+  bool bad_key = false;
+  SUBCASE("past the registration") { bad_key = false; }
+  SUBCASE("another key") { bad_key = true; }
+  io_context ctx;
+  ctx.run([bad_key]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> mem(3 * 4096, std::byte{0x5A});
+    std::span<std::byte> region(mem.data() + 4096, 4096);
+    auto mr = p.server_domain->register_memory(region, access::all).value();
+    auto src = pattern(16 * 4096, 7);
+    // A descriptor that claims more than was registered (or another key):
+    // the local checks pass, the target refuses. 40 blocks of 128 bytes,
+    // 256 apart: blocks 16.. lie past the registration's 4 KiB.
+    remote_buffer lying = mr.remote();
+    lying.length = 16 * 4096;
+    if (bad_key) lying.rkey ^= 0x8000u;
+    std::vector<block> blocks;
+    for (std::uint64_t i = 0; i < 40; ++i) blocks.push_back({i * 256, i * 256, 128});
+    auto r = co_await p.client.write_blocks(src, lying, blocks);
+    REQUIRE_FALSE(r.has_value());  // never a partial success
+    CHECK(matches(r.error(), errc::remote_access_error));
+    const std::size_t first_bad = bad_key ? 0 : 16;
+    if (p.client.kind() == transport_kind::verbs)
+      CHECK(r.failed_block() == block_result::unknown);  // ibverbs says which chain, not which WR
+    else
+      CHECK(r.failed_block() == first_bad);
+    // Blocks before the bad one are there; nothing after it, nothing
+    // around the region.
+    for (std::size_t i = 0; i < 16; ++i) {
+      auto got = std::span(region).subspan(i * 256, 128);
+      if (i < first_bad)
+        CHECK(std::equal(got.begin(), got.end(), src.begin() + i * 256));
+      else
+        CHECK(all_equal(got, std::byte{0x5A}));
+    }
+    CHECK(all_equal(std::span(mem).first(4096), std::byte{0x5A}));
+    CHECK(all_equal(std::span(mem).last(4096), std::byte{0x5A}));
+    // RC: the connection failed; a later list fails at its first block.
+    CHECK_FALSE(p.client.is_open());
+    auto again = co_await p.client.write_blocks(src, mr.remote(), std::span(blocks).first(2));
+    CHECK(is_error(again.error(), errc::disconnected));
+    CHECK(again.failed_block() == 0);
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("blocks: cancelled in flight, the list resumes only when its buffers are safe") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    constexpr std::size_t n = 8192, size = 4096;
+    std::vector<std::byte> target(2 * n * size);
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    auto local = std::make_unique<std::vector<std::byte>>(2 * n * size);
+    auto blocks = scattered(n, size, 9);
+    async_scope scope;
+    std::optional<block_result> out;
+    auto reader = [](connection& c, std::span<std::byte> local, remote_buffer rb, std::span<const block> blocks,
+                     std::optional<block_result>& out) -> task<void> {
+      out.emplace(co_await c.read_blocks(local, rb, blocks));
+    };
+    scope.spawn(reader(p.client, *local, mr.remote(), blocks, out));
+    scope.request_stop();
+    co_await scope.join();
+    REQUIRE(out.has_value());
+    CHECK((out->has_value() || out->error() == std::errc::operation_canceled));
+    MESSAGE("cancelled: " << !out->has_value());
+    if (!out->has_value()) {
+      local.reset();  // nothing writes it any more
+      (void)co_await sleep_for(20ms);
+      CHECK_FALSE(p.client.is_open());  // part of it was posted: RC has no partial undo
+      std::vector<std::byte> b(8);
+      auto r = co_await p.client.read(b, mr.remote(0, 8));
+      CHECK(is_error(r.error(), errc::disconnected));
+    }
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("blocks: a connection without a provider fails at block 0") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection none;
+    std::vector<std::byte> buf(64);
+    std::vector<block> blocks{{0, 0, 64}};
+    auto r = co_await none.write_blocks(buf, remote_buffer{1, 1, 64}, blocks);
+    CHECK(is_error(r.error(), errc::disconnected));
+    CHECK(r.failed_block() == 0);
+  }());
+}
+
+// ---------------------------------------------------------------- striping
+
+namespace {
+// Two rails from one client domain to one server: group (client side) and
+// the server's connections.
+struct rails_t {
+  std::optional<domain> sd, cd;
+  listener l;
+  std::vector<connection> server;
+  connection_group group;
+};
+task<void> make_rails(rails_t& r, std::size_t n) {
+  r.sd.emplace(domain::open().value());
+  r.cd.emplace(domain::open().value());
+  r.l = r.sd->listen(test_endpoint(0)).value();
+  auto ep = test_endpoint(r.l.local_endpoint()->port());
+  std::vector<connection> client;
+  for (std::size_t i = 0; i < n; ++i) {
+    auto [s, c] = co_await when_all(accept_within_limit(r.l), r.cd->connect(ep));
+    r.server.push_back(std::move(s).value());
+    client.push_back(std::move(c).value());
+  }
+  r.group = connection_group(std::move(client));
+}
+task<void> close_rails(rails_t& r) {
+  (void)co_await r.group.close();
+  for (auto& c : r.server) (void)co_await c.close();
+  r.l.close();
+}
+}  // namespace
+
+TEST_CASE("striping: a list and a contiguous transfer split over two rails, every byte checked") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    rails_t r;
+    co_await make_rails(r, 2);
+    constexpr std::size_t n = 10000, size = 200;
+    auto src = pattern(2 * n * size, 21);
+    std::vector<std::byte> target(2 * n * size, std::byte{0x5A});
+    auto mr = r.sd->register_memory(target, access::all).value();
+    auto blocks = scattered(n, size, 5);
+    const auto before = block_transfer_stats();
+    auto [w, m] = co_await when_all(r.group.write_blocks(src, mr.remote(), blocks, {.notify = 9u}), r.server[0].recv());
+    REQUIRE(w.has_value());
+    CHECK(block_transfer_stats().lists - before.lists == 2);  // both rails took a part
+    CHECK(block_transfer_stats().blocks - before.blocks == n);
+    REQUIRE(m.has_value());
+    CHECK(m->imm() == std::optional<std::uint32_t>(9u));
+    std::size_t bad = 0;
+    for (const block& b : blocks)
+      bad += !std::equal(src.begin() + b.local_offset, src.begin() + b.local_offset + b.length,
+                         target.begin() + b.remote_offset);
+    CHECK(bad == 0);
+    CHECK(r.group.in_flight(0) == 0);
+    CHECK(r.group.in_flight(1) == 0);
+    // One contiguous transfer, both ways.
+    auto big = pattern(3 << 20, 22);
+    REQUIRE((co_await r.group.write(big, mr.remote())).has_value());
+    CHECK(std::equal(big.begin(), big.end(), target.begin()));
+    std::vector<std::byte> back(big.size());
+    REQUIRE((co_await r.group.read(back, mr.remote())).has_value());
+    CHECK(back == big);
+    CHECK((co_await r.group.write(big, mr.remote(0, 100))).error() == std::errc::result_out_of_range);
+    co_await close_rails(r);
+  }());
+}
+
+TEST_CASE("striping: a failed rail fails the transfer; the other rail's part is done") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    rails_t r;
+    co_await make_rails(r, 2);
+    constexpr std::size_t n = 1000, size = 256;
+    auto src = pattern(2 * n * size, 23);
+    std::vector<std::byte> target(2 * n * size, std::byte{0x5A});
+    auto mr = r.sd->register_memory(target, access::all).value();
+    std::vector<block> blocks;
+    for (std::uint64_t i = 0; i < n; ++i) blocks.push_back({i * 2 * size, i * 2 * size, size});
+    // Rail 1 fails: its peer goes away.
+    r.server[1] = connection{};
+    auto w = co_await r.group.write_blocks(src, mr.remote(), blocks);
+    REQUIRE_FALSE(w.has_value());
+    CHECK(matches(w.error(), errc::disconnected));
+    // Equal blocks: rail 1 had the second half.
+    if (r.group.rail(1).kind() != transport_kind::verbs || w.failed_block() != block_result::unknown)
+      CHECK(w.failed_block() == n / 2);
+    for (std::size_t i = 0; i < n / 2; ++i)
+      CHECK(std::equal(src.begin() + blocks[i].local_offset, src.begin() + blocks[i].local_offset + size,
+                       target.begin() + blocks[i].remote_offset));
+    CHECK_FALSE(r.group.rail(1).is_open());
+    CHECK(r.group.rail(0).is_open());
+    co_await close_rails(r);
+  }());
+}
+
+TEST_CASE("striping: an empty group fails at block 0") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_group g;
+    std::vector<std::byte> buf(64);
+    std::vector<block> blocks{{0, 0, 64}};
+    auto r = co_await g.write_blocks(buf, remote_buffer{1, 1, 64}, blocks);
+    CHECK(is_error(r.error(), errc::disconnected));
+    CHECK(r.failed_block() == 0);
+  }());
+}
+
+int main(int argc, char** argv) {
+  const char* sel = std::getenv("SHUTTLE_TRANSPORT");
+  {
+    io_context ctx;
+    auto d = domain::open();
+    if (!d) {
+      std::printf("SKIP: transport provider '%s' is not available: %s\n", sel ? sel : "auto",
+                  d.error().message().c_str());
+      return d.error() == make_error_code(errc::not_supported) ? 77 : 1;
+    }
+    std::printf("block transfers: provider %s (%s)\n", to_string(d->kind()), d->describe().c_str());
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
