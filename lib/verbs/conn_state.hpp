@@ -182,9 +182,14 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     return {};
   }
 
-  rdma_conn_param conn_param(wire_hello& hello, const cm_evt* req) const;
+  // `hello` holds the private data (the hello and opts.payload) the result points to.
+  rdma_conn_param conn_param(wire_hello_payload& hello, const cm_evt* req) const;
 
-  bool take_hello(const cm_evt& e);
+  // The peer's hello and payload from a REQ or REP: errc::protocol_error
+  // for a hello this side cannot honour, errc::message_too_long for a
+  // payload length past the bound or the private data.
+  std::error_code take_hello(const cm_evt& e);
+  std::vector<std::byte> peer_payload;  // connection::peer_payload
 
   void on_established() {
     established = true;

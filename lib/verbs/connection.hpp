@@ -205,6 +205,7 @@ class verbs_connection final : public connection_impl {
   bool is_open() const noexcept override { return s_->usable(); }
   transport_kind kind() const noexcept override { return transport_kind::verbs; }
   std::size_t max_message_size() const noexcept override { return s_->peer_buffer; }
+  std::span<const std::byte> peer_payload() const noexcept override { return s_->peer_payload; }
   endpoint remote_endpoint() const noexcept override {
     if (!s_->id) return {};
     sockaddr* sa = rdma_get_peer_addr(s_->id);
