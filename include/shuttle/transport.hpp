@@ -213,6 +213,31 @@ class message {
   std::uint64_t slot_ = 0;
 };
 
+// What a connection speaks on the wire (connection_options::protocol).
+enum class wire_protocol : std::uint8_t {
+  // shuttle's handshake (hello, credits, connect payload): both peers run shuttle.
+  shuttle,
+  // Interop with programs that use librdmacm and libibverbs directly
+  // (verbs provider only; elsewhere errc::not_supported): plain RC, no
+  // handshake and no credit protocol. connect sends `payload` as the bare
+  // rdma_cm private data, and peer_payload() is the peer's private data as
+  // the CM delivers it (on IB/RoCE a REQ's is padded with zeros to 56
+  // bytes). The application sizes the receives: receive_buffers buffers of
+  // receive_buffer_size bytes are posted from the start and each goes back
+  // when its message is destroyed; a peer that sends more than are posted
+  // is told "receiver not ready" and retries as its QP says (RNR), then
+  // fails. A send is a plain IBV_WR_SEND (an incoming send with immediate
+  // gives message::imm()), up to the port's largest message: one larger
+  // than the peer's posted buffer fails that connection on both sides, as
+  // in plain verbs. write / read / atomics are unchanged (the peer must
+  // describe its memory itself). No shared receive queue (not_supported).
+  plain,
+  // Listeners only: a request carrying shuttle's hello gets a shuttle
+  // connection, any other (no private data, or another program's) a plain
+  // one (connection::protocol() tells which). connect: as shuttle.
+  detect,
+};
+
 struct connection_options {
   std::uint32_t send_queue_depth = 128;     // work requests in flight; more wait for a slot
   std::uint32_t receive_buffers = 64;       // posted receives (and so the peer's send credits)
@@ -248,6 +273,7 @@ struct connection_options {
   //  - verbs: after the hello in the rdma_cm private data (REQ, REP);
   //  - tcp and local: after the hello on the stream.
   std::vector<std::byte> payload;
+  wire_protocol protocol = wire_protocol::shuttle;
 };
 
 // The most bytes connection_options::payload may hold, on every provider:
@@ -553,6 +579,8 @@ class connection {
   // listener's answer; empty if it sent none. Valid as long as the
   // connection object (not moved from).
   std::span<const std::byte> peer_payload() const noexcept;
+  // shuttle, or plain for a connection made or accepted as one (wire_protocol).
+  wire_protocol protocol() const noexcept;
 
  private:
   std::unique_ptr<detail::connection_impl> impl_;

@@ -149,6 +149,9 @@ bool connection::is_open() const noexcept { return impl_ && impl_->is_open(); }
 transport_kind connection::kind() const noexcept { return impl_ ? impl_->kind() : transport_kind::automatic; }
 std::size_t connection::max_message_size() const noexcept { return impl_ ? impl_->max_message_size() : 0; }
 endpoint connection::remote_endpoint() const noexcept { return impl_ ? impl_->remote_endpoint() : endpoint{}; }
+wire_protocol connection::protocol() const noexcept {
+  return impl_ ? impl_->protocol() : wire_protocol::shuttle;
+}
 std::span<const std::byte> connection::peer_payload() const noexcept {
   return impl_ ? impl_->peer_payload() : std::span<const std::byte>{};
 }
@@ -218,6 +221,9 @@ task<result<connection>> failed_connect(std::error_code ec) { co_return ec; }
 task<result<connection>> domain::connect(endpoint remote, connection_options opts) {
   // Checked here, once for every provider: nothing is sent.
   if (opts.payload.size() > max_connect_payload) return failed_connect(make_error_code(errc::message_too_long));
+  if (opts.protocol != wire_protocol::shuttle && impl_->kind() != transport_kind::verbs)
+    return failed_connect(make_error_code(errc::not_supported));  // plain RC: verbs only
+  if (opts.protocol == wire_protocol::detect) opts.protocol = wire_protocol::shuttle;  // a listener's choice
   return impl_->connect(remote, std::move(opts));
 }
 task<result<connection>> domain::connect(endpoint remote, std::span<const std::byte> payload,
@@ -228,6 +234,8 @@ task<result<connection>> domain::connect(endpoint remote, std::span<const std::b
 result<listener> domain::listen(endpoint local, connection_options opts, listener_options limits) {
   if (!io_context::current_or_null()) return make_error_code(errc::no_io_context);
   if (opts.payload.size() > max_connect_payload) return make_error_code(errc::message_too_long);
+  if (opts.protocol != wire_protocol::shuttle && impl_->kind() != transport_kind::verbs)
+    return make_error_code(errc::not_supported);
   return impl_->listen(local, opts, limits);
 }
 

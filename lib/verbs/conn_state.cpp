@@ -66,12 +66,14 @@ task<result<cm_evt>> conn_state::next_event() {
 result<void> conn_state::create_qp() {
   if (id->verbs != dom->ctx) return make_error_code(errc::not_supported);  // another device
   const std::uint32_t n = opts.receive_buffers + ctrl_reserve;  // the QP's receive queue
+  if (opts.shared_receive_queue && plain) return make_error_code(errc::not_supported);  // credits keep an SRQ fed
   if (opts.shared_receive_queue) {
     if (auto r = dom->srq_join(n, opts.receive_buffer_size); !r) return r;
     srq_grant = n;
   }
   // Own receive queue: only the first few receives now (grow_receives).
-  user_slots = srq_grant ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
+  // Plain: all of them (a plain peer is told of none, it just sends).
+  user_slots = srq_grant || plain ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
   const std::uint32_t posted_now = srq_grant ? n : user_slots + ctrl_reserve;
   const int want_cq = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + posted_now);
   if (!dom->reserve_cq(want_cq)) return make_error_code(std::errc::no_buffer_space);
@@ -171,6 +173,10 @@ rdma_conn_param conn_state::conn_param(wire_hello_payload& data, const cm_evt* r
   rdma_conn_param p{};
   p.private_data = &data;
   p.private_data_len = static_cast<std::uint8_t>(hello_payload_offset + 1 + n);
+  if (plain) {  // the payload alone, as the bare private data
+    p.private_data = n ? opts.payload.data() : nullptr;
+    p.private_data_len = static_cast<std::uint8_t>(n);
+  }
   auto rd = static_cast<std::uint8_t>(std::min({dom->dattr.max_qp_rd_atom, dom->dattr.max_qp_init_rd_atom, 16}));
   p.responder_resources = rd;
   p.initiator_depth = rd;

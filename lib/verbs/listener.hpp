@@ -29,7 +29,10 @@ inline task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint
   // The REP: the peer's hello checked, the QP readied with this side's RNR
   // retry count (not the REP's), then the RTU. A failure here destroys the
   // id, which rejects the REP.
-  if (auto bad = st->take_hello(*e)) co_return bad == errc::message_too_long ? bad : hello_error(*e);
+  if (st->plain)
+    st->take_plain(*e);
+  else if (auto bad = st->take_hello(*e))
+    co_return bad == errc::message_too_long ? bad : hello_error(*e);
   if (auto r = st->ready_qp(nullptr); !r) co_return r.error();
   if (rdma_establish(st->id) != 0) co_return last_errno();
   st->on_established();
@@ -158,6 +161,12 @@ class verbs_listener final : public listener_impl {
     return "refused";
   }
 
+  static bool carries_hello(const cm_evt& req) noexcept {
+    std::uint32_t magic = 0;
+    if (req.priv_len >= sizeof magic) std::memcpy(&magic, req.priv.data(), sizeof magic);
+    return ntohl(magic) == wire_magic;
+  }
+
   static void reject(rdma_cm_id* id, reject_reason why) noexcept {
     const std::uint32_t data[2] = {htonl(reject_magic), htonl(static_cast<std::uint32_t>(why))};
     rdma_reject(id, data, sizeof data);
@@ -195,7 +204,12 @@ class verbs_listener final : public listener_impl {
     st->id = req.id;
     req.id->context = st.get();
     // The hello is checked before anything is allocated for the peer.
-    if (!refuse) {
+    // wire_protocol::detect: a request without shuttle's magic is a plain peer.
+    if (!refuse && (opts_.protocol == wire_protocol::plain ||
+                    (opts_.protocol == wire_protocol::detect && !carries_hello(req)))) {
+      st->make_plain();
+      st->take_plain(req);
+    } else if (!refuse) {
       if (auto bad = st->take_hello(req))
         refuse = bad == errc::message_too_long ? reject_reason::bad_payload : reject_reason::bad_hello;
     }
@@ -211,7 +225,10 @@ class verbs_listener final : public listener_impl {
     }
     if (refuse) {
       ++dom_->st.handshakes_refused;
-      refused(st->id, describe(*refuse));
+      if (*refuse == reject_reason::bad_hello && !carries_hello(req))
+        refused(st->id, "refused: not a shuttle peer (no shuttle hello in its request; see wire_protocol::detect)");
+      else
+        refused(st->id, describe(*refuse));
       reject(st->id, *refuse);
       st->shutdown();
       return;

@@ -1699,6 +1699,97 @@ TEST_CASE("connect payload: over the bound is message_too_long, nothing sent; re
   }());
 }
 
+TEST_CASE("interop: wire_protocol::plain is plain RC on verbs (detected by a listener), not_supported elsewhere") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = domain::open().value();
+    auto cd = domain::open().value();
+    connection_options plain;
+    plain.protocol = wire_protocol::plain;
+    connection_options detect;
+    detect.protocol = wire_protocol::detect;
+    if (sd.kind() != transport_kind::verbs) {
+      for (auto* o : {&plain, &detect}) {
+        auto l = sd.listen(test_endpoint(0), *o);
+        REQUIRE_FALSE(l.has_value());
+        CHECK(l.error() == make_error_code(errc::not_supported));
+      }
+      auto l = sd.listen(test_endpoint(0)).value();
+      auto c = co_await cd.connect(test_endpoint(l.local_endpoint()->port()), plain);
+      REQUIRE_FALSE(c.has_value());
+      CHECK(c.error() == make_error_code(errc::not_supported));
+      co_return;
+    }
+    const std::string srv_hi = "server", cli_hi = "client";
+    detect.payload.assign(reinterpret_cast<const std::byte*>(srv_hi.data()),
+                          reinterpret_cast<const std::byte*>(srv_hi.data()) + srv_hi.size());
+    detect.receive_buffers = plain.receive_buffers = 8;
+    plain.payload.assign(reinterpret_cast<const std::byte*>(cli_hi.data()),
+                         reinterpret_cast<const std::byte*>(cli_hi.data()) + cli_hi.size());
+    auto l = sd.listen(test_endpoint(0), detect).value();
+    auto ep = test_endpoint(l.local_endpoint()->port());
+    auto starts_with = [](std::span<const std::byte> got, const std::string& want) {
+      return got.size() >= want.size() && std::memcmp(got.data(), want.data(), want.size()) == 0;
+    };
+    {
+      auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep, plain));
+      REQUIRE(s.has_value());
+      REQUIRE(c.has_value());
+      CHECK(s->protocol() == wire_protocol::plain);
+      CHECK(c->protocol() == wire_protocol::plain);
+      CHECK(starts_with(s->peer_payload(), cli_hi));  // the bare private data (the CM pads it)
+      CHECK(starts_with(c->peer_payload(), srv_hi));
+      // More messages than posted receives, each way: every buffer goes back once its message is gone.
+      for (unsigned i = 0; i < 40; ++i) {
+        auto data = pattern(1 + i * 100, i);
+        auto [sr, rr] = co_await when_all(c->send(data), s->recv());
+        REQUIRE(sr.has_value());
+        REQUIRE(rr.has_value());
+        CHECK(same(rr->data(), data));
+        CHECK_FALSE(rr->imm().has_value());
+        auto [sr2, rr2] = co_await when_all(s->send(rr->data()), c->recv());
+        REQUIRE(sr2.has_value());
+        REQUIRE(rr2.has_value());
+        CHECK(same(rr2->data(), data));
+      }
+      // One-sided and write_with_imm: its immediate is the message's.
+      std::vector<std::byte> target(4096);
+      auto mr = sd.register_memory(target, access::all).value();
+      auto data = pattern(4096, 99);
+      auto [w, m] = co_await when_all(c->write_with_imm(data, mr.remote(), 0xfeedu), s->recv());
+      REQUIRE(w.has_value());
+      REQUIRE(m.has_value());
+      CHECK(m->imm() == std::optional<std::uint32_t>(0xfeedu));
+      CHECK(target == data);
+      const std::array<operation, 2> batch{operation::send(std::span(data).first(10)),
+                                           operation::send(std::span(data).first(20))};
+      auto [b, m1, m2] = co_await when_all(c->post_batch(batch), s->recv(), s->recv());
+      REQUIRE(b.has_value());
+      REQUIRE(m1.has_value());
+      REQUIRE(m2.has_value());
+      CHECK(m1->size() + m2->size() == 30);
+      (void)co_await c->close();
+      (void)co_await s->close();
+    }
+    // The same listener still takes shuttle peers (and their payloads).
+    auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep));
+    REQUIRE(s.has_value());
+    REQUIRE(c.has_value());
+    CHECK(s->protocol() == wire_protocol::shuttle);
+    CHECK(std::ranges::equal(c->peer_payload(), detect.payload));
+    auto data = pattern(100, 5);
+    auto [sr, rr] = co_await when_all(c->send(data), s->recv());
+    REQUIRE(sr.has_value());
+    REQUIRE(rr.has_value());
+    (void)co_await c->close();
+    (void)co_await s->close();
+    // A shuttle listener refuses a plain connect as before.
+    auto strict = sd.listen(test_endpoint(0)).value();
+    auto refused = co_await cd.connect(test_endpoint(strict.local_endpoint()->port()), plain);
+    CHECK_FALSE(refused.has_value());
+  }());
+}
+
 TEST_CASE("connect: refused and timeout") {
   io_context ctx;
   ctx.run([]() -> task<void> {

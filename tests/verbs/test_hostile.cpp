@@ -694,6 +694,45 @@ TEST_CASE("the rdma echo server logs refused, timed-out and idle peers with thei
     std::printf("--- the server's stderr:\n%s---\n", log.c_str());
 }
 
+// Issue 29 point 6: shuttle-echo-server --transport rdma --accept-plain
+// serves a client written against librdmacm alone (no private data, plain
+// sends, its own receives) and echoes its sends as plain sends; a shuttle
+// client still gets in beside it. Without the flag the plain client is
+// refused as not a shuttle peer.
+TEST_CASE("the rdma echo server with --accept-plain echoes a plain librdmacm client; without it, refuses it") {
+  const char* exe = std::getenv("SHUTTLE_ECHO_SERVER");
+  const char* client = std::getenv("SHUTTLE_PLAIN_CLIENT");
+  REQUIRE_MESSAGE(exe != nullptr, "SHUTTLE_ECHO_SERVER (the shuttle-echo-server to test) is not set");
+  REQUIRE_MESSAGE(client != nullptr, "SHUTTLE_PLAIN_CLIENT (tests/verbs/plain_echo_client) is not set");
+  const std::string host = host_of(test_endpoint(0));
+  for (bool plain : {true, false}) {
+    child_process srv;
+    std::vector<std::string> args{exe, "--transport", "rdma", "--bind", host, "--port", "0"};
+    if (plain) args.push_back("--accept-plain");
+    REQUIRE(srv.start(args));
+    const std::string listening = srv.line(60000);
+    std::printf("echo server%s: %s\n", plain ? " --accept-plain" : "", listening.c_str());
+    const auto at = listening.find("listening on port ");
+    REQUIRE(at != std::string::npos);
+    const std::string port = std::to_string(std::atoi(listening.c_str() + at + 18));
+    // Two plain clients in a row, then a shuttle client.
+    for (int i = 0; i < 2; ++i) {
+      const int status = std::system((std::string(client) + " " + host + " " + port + " 10").c_str());
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      std::printf("plain client %d: exit %d\n", i, code);
+      CHECK(code == (plain ? 0 : 3));
+    }
+    io_context ctx;
+    ctx.run([&]() -> task<void> {
+      CHECK(co_await good_client(test_endpoint(static_cast<std::uint16_t>(std::atoi(port.c_str()))),
+                                 plain ? "plain peers" : "refused plain peers"));
+    }());
+    CHECK(srv.stop(60000) == 0);
+    if (!plain) CHECK(srv.err_text().find("not a shuttle peer") != std::string::npos);
+    if (plain) CHECK(srv.err_text().find("refused") == std::string::npos);
+  }
+}
+
 // Point 3, client side: a server that asks for infinite RNR retries (7) in
 // its REP and never posts a receive. The client's QP retries RNR NAKs a
 // finite number of times (its own count, not the REP's): its send ends in
