@@ -4,7 +4,7 @@
 //   shuttle-echo-server --port P [--threads N] [--transport tcp|rdma|tcp-provider]
 //                       [--bind ADDR] [--max-message BYTES]
 //                       [--max-handshakes N] [--handshake-timeout MS]
-//                       [--max-connections N] [--idle-timeout MS]
+//                       [--max-connections N] [--idle-timeout MS] [--accept-plain]
 //
 // --transport tcp (the default): plain TCP sockets. N runtime threads, each
 // with its own io_context and its own listener bound with SO_REUSEPORT to the
@@ -23,6 +23,11 @@
 // of them per connection (1 MiB, at least 4). The listener's limits on
 // peers (listener_options: handshakes in progress and their deadline, a
 // connection cap, an idle timeout) come from the flags of the same names.
+// --accept-plain (rdma): a client that does not speak shuttle (a program
+// written against librdmacm alone: no private data, or its own) is served
+// as a plain RC peer (wire_protocol::detect): each of its sends is echoed
+// with a plain send, into one of the server's posted receives; the client
+// posts a receive for each reply, of at least the size it sent.
 //
 // --port 0 binds an ephemeral port (thread 0 binds first, the others join it);
 // the listening line prints the real one:
@@ -336,13 +341,14 @@ struct options {
   bool register_files = true;
   shuttle::listener_options limits;  // rdma, tcp-provider
   bool limits_set = false;
+  bool accept_plain = false;  // rdma: serve plain rdma_cm peers too
 };
 
 const char* const kSynopsis =
     "usage: shuttle-echo-server --port P [--threads N] [--transport T] [--bind ADDR]\n"
     "                           [--max-message BYTES] [--recv-ring N] [--no-registered-files]\n"
     "                           [--max-handshakes N] [--handshake-timeout MS] [--max-connections N]\n"
-    "                           [--idle-timeout MS]\n";
+    "                           [--idle-timeout MS] [--accept-plain]\n";
 
 options parse_options(int argc, char** argv) {
   options o;
@@ -398,8 +404,13 @@ options parse_options(int argc, char** argv) {
           ->type_name("MS")
           ->transform(cli::count(0, 86'400'000)),
   };
+  app.add_flag("--accept-plain", o.accept_plain,
+               "rdma: also serve clients that do not speak shuttle (plain librdmacm programs), as plain RC peers "
+               "whose sends are echoed");
   cli::parse(app, argc, argv);
   if (!port->count()) cli::fail(app, "--port is required");
+  if (o.accept_plain && o.transport != cli::transport::rdma)
+    cli::fail(app, "--accept-plain applies to --transport rdma (plain RC peers are rdma_cm programs)");
   o.limits.max_handshakes = max_handshakes;
   o.limits.max_connections = max_connections;
   o.limits.handshake_timeout = std::chrono::milliseconds(handshake_ms);
@@ -532,6 +543,7 @@ task<shuttle::result<void>> open_transport(transport_server& srv, const options&
   // (capped by the device: 32,767 entries on rxe), so a deep one would cap
   // the connections held (128: about 240).
   if (opts.transport == cli::transport::rdma) copts.send_queue_depth = copts.receive_buffers;
+  if (opts.accept_plain) copts.protocol = shuttle::wire_protocol::detect;
   auto limits = opts.limits;
   limits.on_refused = [](const shuttle::endpoint& peer, std::string_view why) {
     log_throttled("peer " + peer.to_string() + ": " + std::string(why));

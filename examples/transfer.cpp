@@ -8,8 +8,10 @@
 // provider; --transport forces one):
 //
 //  - the receiver (thread 0) registers a ring of S chunk slots with
-//    remote_write, accepts the sender's connection and sends it the ring's
-//    descriptor (remote_buffer, slot count, chunk size);
+//    remote_write and listens with the ring's descriptor (remote_buffer,
+//    slot count, chunk size: 32 bytes) as its connect payload, so that the
+//    sender has it once connected (connection::peer_payload), with no
+//    message round trip;
 //  - the sender (thread 1) produces chunk i into local slot i % S (a pattern
 //    that depends on i, the chunk index in its first word and a checksum of
 //    the rest in its last) while the earlier chunks are on the wire, and
@@ -176,32 +178,29 @@ std::uint64_t produce(std::span<std::byte> out, std::uint64_t index) noexcept {
 
 // ---------------------------------------------------------------- wire
 
-// Receiver -> sender, once: the ring.
+// Receiver -> sender, once: the ring, as the listener's connect payload.
 struct descriptor {
-  static constexpr std::uint32_t kMagic = 0x58544853;  // "SHTX"
-  static constexpr std::size_t kSize = 4 + 4 + 8 + shuttle::remote_buffer::wire_size;
+  static constexpr std::size_t kSize = 4 + 8 + shuttle::remote_buffer::wire_size;
+  static_assert(kSize <= shuttle::max_connect_payload);
   std::uint32_t slots = 0;
   std::uint64_t chunk_size = 0;
   shuttle::remote_buffer ring;
 
-  std::array<std::byte, kSize> encode() const noexcept {
-    std::array<std::byte, kSize> out{};
-    std::uint32_t magic = kMagic;
-    std::memcpy(out.data(), &magic, 4);
-    std::memcpy(out.data() + 4, &slots, 4);
-    std::memcpy(out.data() + 8, &chunk_size, 8);
-    ring.serialize(std::span<std::byte, shuttle::remote_buffer::wire_size>(out.data() + 16, 20));
+  std::vector<std::byte> encode() const {
+    std::vector<std::byte> out(kSize);
+    std::memcpy(out.data(), &slots, 4);
+    std::memcpy(out.data() + 4, &chunk_size, 8);
+    (void)ring.serialize(std::span(out).subspan(12));  // room checked above
     return out;
   }
   static std::optional<descriptor> decode(std::span<const std::byte> in) noexcept {
-    std::uint32_t magic = 0;
     if (in.size() != kSize) return std::nullopt;
-    std::memcpy(&magic, in.data(), 4);
-    if (magic != kMagic) return std::nullopt;
     descriptor d;
-    std::memcpy(&d.slots, in.data() + 4, 4);
-    std::memcpy(&d.chunk_size, in.data() + 8, 8);
-    d.ring = shuttle::remote_buffer::deserialize(std::span<const std::byte, 20>(in.data() + 16, 20));
+    std::memcpy(&d.slots, in.data(), 4);
+    std::memcpy(&d.chunk_size, in.data() + 4, 8);
+    auto ring = shuttle::remote_buffer::deserialize(in.subspan(12));
+    if (!ring) return std::nullopt;
+    d.ring = *ring;
     return d;
   }
 };
@@ -211,6 +210,20 @@ struct descriptor {
 // checksum (16 bytes).
 
 // ---------------------------------------------------------------- shared state
+
+struct aligned_buffer {
+  struct del {
+    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t(4096)); }
+  };
+  std::unique_ptr<std::byte[], del> p;
+  std::size_t n = 0;
+  explicit aligned_buffer(std::size_t size)
+      : p(static_cast<std::byte*>(::operator new[](size, std::align_val_t(4096)))), n(size) {
+    std::memset(p.get(), 0, n);  // fault the pages in before registration and timing
+  }
+  std::span<std::byte> span() const noexcept { return {p.get(), n}; }
+};
+
 
 // Written by one thread each; main reads them after both tasks are done.
 struct shared {
@@ -227,6 +240,8 @@ struct shared {
   // Receiver (thread 0).
   std::string setup_step;  // what failed in listen()
   std::optional<shuttle::domain> rx_domain;
+  std::optional<aligned_buffer> ring;          // registered before listen(): its descriptor is the listener's payload
+  std::optional<shuttle::memory_region> ring_mr;
   std::optional<shuttle::listener> listener;
   std::uint64_t received = 0, verified = 0, mismatches = 0;
   std::uint64_t rx_combined = 0;
@@ -262,18 +277,6 @@ shuttle::connection_options conn_options(const options& o) {
   return c;
 }
 
-struct aligned_buffer {
-  struct del {
-    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t(4096)); }
-  };
-  std::unique_ptr<std::byte[], del> p;
-  std::size_t n = 0;
-  explicit aligned_buffer(std::size_t size)
-      : p(static_cast<std::byte*>(::operator new[](size, std::align_val_t(4096)))), n(size) {
-    std::memset(p.get(), 0, n);  // fault the pages in before registration and timing
-  }
-  std::span<std::byte> span() const noexcept { return {p.get(), n}; }
-};
 
 // ---------------------------------------------------------------- receiver
 
@@ -289,11 +292,24 @@ task<shuttle::result<unsigned>> listen(shared& s, shuttle::endpoint ep) {
     co_return d.error();
   }
   s.rx_domain.emplace(std::move(*d));
-  auto l = s.rx_domain->listen(ep, conn_options(s.o));
+  s.ring.emplace(s.o.slots * s.o.chunk_size);
+  auto mr = s.rx_domain->register_memory(s.ring->span(), shuttle::access::local_write | shuttle::access::remote_write);
+  if (!mr) {
+    s.setup_step = "registering the ring failed";
+    s.ring.reset();
+    s.rx_domain.reset();
+    co_return mr.error();
+  }
+  s.ring_mr.emplace(std::move(*mr));
+  auto copts = conn_options(s.o);
+  copts.payload = descriptor{static_cast<std::uint32_t>(s.o.slots), s.o.chunk_size, s.ring_mr->remote()}.encode();
+  auto l = s.rx_domain->listen(ep, copts);
   if (!l) {
     s.setup_step = "cannot listen on " + ep.to_string() + " over " + s.rx_domain->describe();
     if (s.rx_domain->kind() == shuttle::transport_kind::verbs)
       s.setup_step += " (rdma needs the address of an RDMA interface: --addr, or --transport tcp-provider)";
+    s.ring_mr.reset();
+    s.ring.reset();
     s.rx_domain.reset();
     co_return l.error();
   }
@@ -303,33 +319,21 @@ task<shuttle::result<unsigned>> listen(shared& s, shuttle::endpoint ep) {
 
 task<void> receive(shared& s) {
   const options& o = s.o;
-  aligned_buffer ring(o.slots * o.chunk_size);
+  const aligned_buffer& ring = *s.ring;
   {
-    auto mr = s.rx_domain->register_memory(ring.span(), shuttle::access::local_write | shuttle::access::remote_write);
-    if (!mr) {
-      s.abort("receiver: registering the ring failed: " + mr.error().message());
-      s.listener.reset();
-      s.rx_domain.reset();
-      co_return;
-    }
     auto c = co_await s.listener->accept();
     s.listener->close();
     if (!c) {
       if (!is_cancel(c.error())) s.abort("receiver: accept failed: " + c.error().message());
       s.listener.reset();
+      s.ring_mr.reset();
       s.rx_domain.reset();
       co_return;
     }
     shuttle::connection conn = std::move(*c);
     const std::size_t words = o.chunk_size / 8;
     co_await [&]() -> task<void> {  // the transfer proper; every exit below closes and tears down
-      descriptor d{static_cast<std::uint32_t>(o.slots), o.chunk_size, mr->remote()};
-      auto wire = d.encode();
-      if (auto r = co_await conn.send(wire); !r) {
-        if (!is_cancel(r.error())) s.abort("receiver: sending the descriptor failed: " + r.error().message());
-        co_return;
-      }
-      for (;;) {
+      for (;;) {  // the sender has the ring's descriptor already (the listener's payload)
         auto m = co_await conn.recv();
         if (!m) {
           if (!is_cancel(m.error()))
@@ -381,6 +385,7 @@ task<void> receive(shared& s) {
   // No wait: what the provider still winds down ends on the loop
   // (transport.hpp, "Lifetimes").
   s.listener.reset();
+  s.ring_mr.reset();
   s.rx_domain.reset();
 }
 
@@ -416,13 +421,7 @@ task<bool> take_credit(shared& s, shuttle::connection& conn) {
 
 task<void> send_all(shared& s, shuttle::connection& conn, shuttle::domain& dom) {
   const options& o = s.o;
-  auto dm = co_await conn.recv();
-  if (!dm) {
-    if (!is_cancel(dm.error())) s.abort("sender: waiting for the descriptor failed: " + dm.error().message());
-    co_return;
-  }
-  auto d = descriptor::decode(dm->data());
-  dm->reset();
+  auto d = descriptor::decode(conn.peer_payload());  // sent with the listener's answer
   if (!d || d->slots == 0 || d->chunk_size != o.chunk_size || d->ring.length < d->slots * d->chunk_size) {
     s.abort("sender: bad ring descriptor");
     co_return;

@@ -42,6 +42,7 @@
 // it: docs/transport-semantics.md.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -51,6 +52,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <shuttle/detail/connection_op.hpp>
 #include <shuttle/endpoint.hpp>
@@ -82,8 +84,21 @@ struct remote_buffer {
   std::uint64_t length = 0;
 
   static constexpr std::size_t wire_size = 20;  // little-endian address, rkey, length
+  // Into / from exactly wire_size bytes: cannot fail.
   void serialize(std::span<std::byte, wire_size> out) const noexcept;
   static remote_buffer deserialize(std::span<const std::byte, wire_size> in) noexcept;
+  // Into the first wire_size bytes of any span (a connect payload, a
+  // message's data), from the first wire_size bytes of one; a shorter span:
+  // std::errc::invalid_argument, nothing written.
+  result<void> serialize(std::span<std::byte> out) const noexcept;
+  static result<remote_buffer> deserialize(std::span<const std::byte> in) noexcept;
+  // An array of exactly wire_size bytes (else it would convert to either span).
+  void serialize(std::array<std::byte, wire_size>& out) const noexcept { serialize(std::span(out)); }
+  static remote_buffer deserialize(const std::array<std::byte, wire_size>& in) noexcept {
+    return deserialize(std::span(in));
+  }
+  void serialize(std::byte (&out)[wire_size]) const noexcept { serialize(std::span(out)); }
+  static remote_buffer deserialize(const std::byte (&in)[wire_size]) noexcept { return deserialize(std::span(in)); }
   // A sub-range; std::errc::result_out_of_range if it is not inside this one.
   result<remote_buffer> slice(std::uint64_t offset, std::uint64_t len) const noexcept;
 };
@@ -200,6 +215,31 @@ class message {
   std::uint64_t slot_ = 0;
 };
 
+// What a connection speaks on the wire (connection_options::protocol).
+enum class wire_protocol : std::uint8_t {
+  // shuttle's handshake (hello, credits, connect payload): both peers run shuttle.
+  shuttle,
+  // Interop with programs that use librdmacm and libibverbs directly
+  // (verbs provider only; elsewhere errc::not_supported): plain RC, no
+  // handshake and no credit protocol. connect sends `payload` as the bare
+  // rdma_cm private data, and peer_payload() is the peer's private data as
+  // the CM delivers it (on IB/RoCE a REQ's is padded with zeros to 56
+  // bytes). The application sizes the receives: receive_buffers buffers of
+  // receive_buffer_size bytes are posted from the start and each goes back
+  // when its message is destroyed; a peer that sends more than are posted
+  // is told "receiver not ready" and retries as its QP says (RNR), then
+  // fails. A send is a plain IBV_WR_SEND (an incoming send with immediate
+  // gives message::imm()), up to the port's largest message: one larger
+  // than the peer's posted buffer fails that connection on both sides, as
+  // in plain verbs. write / read / atomics are unchanged (the peer must
+  // describe its memory itself). No shared receive queue (not_supported).
+  plain,
+  // Listeners only: a request carrying shuttle's hello gets a shuttle
+  // connection, any other (no private data, or another program's) a plain
+  // one (connection::protocol() tells which). connect: as shuttle.
+  detect,
+};
+
 struct connection_options {
   std::uint32_t send_queue_depth = 128;     // work requests in flight; more wait for a slot
   std::uint32_t receive_buffers = 64;       // posted receives (and so the peer's send credits)
@@ -223,7 +263,26 @@ struct connection_options {
   // without SRQs and on the tcp provider (which has no SRQ equivalent).
   bool shared_receive_queue = false;
   std::chrono::milliseconds connect_timeout{5000};
+  // Bytes handed to the peer with the handshake, so that no message round
+  // trip is needed for what a peer must know at once (a remote_buffer: see
+  // remote_buffer::serialize). domain::connect sends them with its request;
+  // a listener (domain::listen) answers every peer it accepts with them.
+  // The other side reads them with connection::peer_payload(). At most
+  // max_connect_payload bytes, else connect() and listen() fail with
+  // errc::message_too_long before anything is sent. A peer's payload over
+  // the bound (a hostile peer) fails its handshake: refused with a reason
+  // (listener_options::on_refused), or errc::protocol_error on connect.
+  //  - verbs: after the hello in the rdma_cm private data (REQ, REP);
+  //  - tcp and local: after the hello on the stream.
+  std::vector<std::byte> payload;
+  wire_protocol protocol = wire_protocol::shuttle;
 };
+
+// The most bytes connection_options::payload may hold, on every provider:
+// what the verbs provider's connection request has room for (rdma_cm's REQ
+// carries 56 bytes of private data on IB and RoCE; the 16-byte hello and a
+// length byte leave 39, of which 7 are kept for the hello to grow).
+inline constexpr std::size_t max_connect_payload = 32;
 
 // What a listener may hold on behalf of peers it has not accepted yet, and
 // for how long (domain::listen). Every peer may be hostile: one that never
@@ -591,6 +650,13 @@ class connection {
   transport_kind kind() const noexcept;
   std::size_t max_message_size() const noexcept;
   endpoint remote_endpoint() const noexcept;
+  // What the peer sent with its handshake (connection_options::payload): on
+  // an accepted connection the connecting peer's, on a connected one the
+  // listener's answer; empty if it sent none. Valid as long as the
+  // connection object (not moved from).
+  std::span<const std::byte> peer_payload() const noexcept;
+  // shuttle, or plain for a connection made or accepted as one (wire_protocol).
+  wire_protocol protocol() const noexcept;
 
  private:
   std::unique_ptr<detail::connection_impl> impl_;
@@ -642,6 +708,8 @@ class domain {
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned access_flags);
 
   task<result<connection>> connect(endpoint remote, connection_options opts = {});
+  // The same, with `payload` (copied now) as opts.payload.
+  task<result<connection>> connect(endpoint remote, std::span<const std::byte> payload, connection_options opts = {});
   result<listener> listen(endpoint local, connection_options opts = {}, listener_options limits = {});
 
 

@@ -45,6 +45,8 @@ class local_connection final : public connection_impl {
   endpoint remote_endpoint() const noexcept override {
     return x_.named.size() ? x_.named : inner_.remote_endpoint();
   }
+  // Sent after the engine's hello (tp::handshake), which follows the local hello.
+  std::span<const std::byte> peer_payload() const noexcept override { return inner_.peer_payload(); }
 
  private:
   // Where an access of `len` bytes at `r` needing `right` is done here, or

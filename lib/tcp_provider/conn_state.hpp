@@ -154,6 +154,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   std::shared_ptr<domain_state> dom;
   connection_options opts;
   hello peer;
+  std::vector<std::byte> peer_payload;  // what the peer sent after its hello (connection::peer_payload)
   endpoint remote;
   limits lim;
 

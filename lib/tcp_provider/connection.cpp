@@ -75,12 +75,17 @@ task<result<std::shared_ptr<conn_state>>> handshake(tcp_socket& sock, std::share
   // A connection lives long and does a read and a writev per batch of
   // frames: a registered-file slot saves a file lookup on each (best effort).
   (void)sock.register_file();
-  std::array<std::byte, hello_size> mine{}, theirs{};
+  // The hello, then the payload (at most max_connect_payload: domain::connect and listen checked it).
+  std::array<std::byte, hello_size + max_connect_payload> mine{};
+  std::array<std::byte, hello_size> theirs{};
   hello h;
   h.receive_buffers = opts.receive_buffers;
   h.receive_buffer_size = opts.receive_buffer_size;
-  encode_hello(h, mine);
-  if (auto r = co_await sock.write_all(mine); !r) co_return r.error();
+  const std::size_t payload = std::min(opts.payload.size(), max_connect_payload);
+  h.payload_size = static_cast<std::uint16_t>(payload);
+  encode_hello(h, std::span(mine).first<hello_size>());
+  std::copy_n(opts.payload.begin(), payload, mine.begin() + hello_size);
+  if (auto r = co_await sock.write_all(std::span(mine).first(hello_size + payload)); !r) co_return r.error();
   // Another protocol's peer is told apart as soon as its first bytes
   // arrive (an SSH or SMTP banner, an HTTP error page), rather than by a
   // timeout or a bare end of stream.
@@ -93,8 +98,17 @@ task<result<std::shared_ptr<conn_state>>> handshake(tcp_socket& sock, std::share
   }
   auto peer = decode_hello(theirs);
   if (!peer) co_return peer.error();
+  std::vector<std::byte> peer_payload(peer->payload_size);  // bounded by decode_hello
+  for (std::size_t got = 0; got < peer_payload.size();) {
+    auto n = co_await sock.read_some(std::span(peer_payload).subspan(got));
+    if (!n) co_return n.error();
+    if (*n == 0) co_return err(errc::eof);
+    got += *n;
+  }
   auto ep = sock.remote_endpoint();
-  co_return std::make_shared<conn_state>(std::move(sock), std::move(dom), opts, *peer, ep ? *ep : endpoint{});
+  auto s = std::make_shared<conn_state>(std::move(sock), std::move(dom), opts, *peer, ep ? *ep : endpoint{});
+  s->peer_payload = std::move(peer_payload);
+  co_return s;
 }
 
 task<result<connection>> establish(tcp_socket sock, std::shared_ptr<domain_state> dom, connection_options opts) {

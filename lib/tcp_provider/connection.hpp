@@ -45,6 +45,7 @@ class tcp_connection final : public connection_impl {
   transport_kind kind() const noexcept override { return transport_kind::tcp; }
   std::size_t max_message_size() const noexcept override { return s_->peer.receive_buffer_size; }
   endpoint remote_endpoint() const noexcept override { return s_->remote; }
+  std::span<const std::byte> peer_payload() const noexcept override { return s_->peer_payload; }
 
  private:
   task<result<void>> send_task(std::span<const std::byte> msg);

@@ -23,7 +23,7 @@ void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept
   std::byte* p = out.data();
   put(p, hello_magic, 4);
   put(p + 4, h.version, 2);
-  put(p + 6, 0, 2);
+  put(p + 6, h.payload_size, 2);
   put(p + 8, h.receive_buffers, 4);
   put(p + 12, h.max_responder_ops, 4);
   put(p + 16, h.receive_buffer_size, 8);
@@ -35,7 +35,8 @@ result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept {
   hello h;
   h.version = static_cast<std::uint16_t>(get(p + 4, 2));
   if (h.version != protocol_version) return make_error_code(errc::wire_version_mismatch);
-  if (get(p + 6, 2) != 0) return proto();
+  h.payload_size = static_cast<std::uint16_t>(get(p + 6, 2));
+  if (h.payload_size > max_connect_payload) return make_error_code(errc::message_too_long);
   h.receive_buffers = static_cast<std::uint32_t>(get(p + 8, 4));
   h.max_responder_ops = static_cast<std::uint32_t>(get(p + 12, 4));
   h.receive_buffer_size = get(p + 16, 8);

@@ -39,10 +39,15 @@ struct hello {
   std::uint32_t receive_buffers = 0;
   std::uint64_t receive_buffer_size = 0;
   std::uint32_t max_responder_ops = default_responder_ops;
+  // Bytes of connection_options::payload that follow the hello on the
+  // stream (in what was a reserved zero field: a peer without payloads
+  // sends 0), at most max_connect_payload.
+  std::uint16_t payload_size = 0;
 };
 void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept;
 // not_a_shuttle_peer on a bad magic, wire_version_mismatch on another
-// version, protocol_error on silly sizes.
+// version, protocol_error on silly sizes, message_too_long for a payload
+// over max_connect_payload.
 result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept;
 // Whether `in` (a hello cut short: the peer closed) begins as one does.
 bool starts_like_hello(std::span<const std::byte> in) noexcept;

@@ -54,6 +54,10 @@ class connection_impl {
   virtual transport_kind kind() const noexcept = 0;
   virtual std::size_t max_message_size() const noexcept = 0;
   virtual endpoint remote_endpoint() const noexcept = 0;
+  // connection::peer_payload (connection_options::payload of the peer).
+  virtual std::span<const std::byte> peer_payload() const noexcept = 0;
+  // connection::protocol: only the verbs provider has plain connections.
+  virtual wire_protocol protocol() const noexcept { return wire_protocol::shuttle; }
   // connection::grant / revoke (`g` is one of this connection's); a
   // provider without per-connection exposure: errc::not_supported.
   virtual task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,

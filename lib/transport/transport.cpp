@@ -44,6 +44,17 @@ remote_buffer remote_buffer::deserialize(std::span<const std::byte, wire_size> i
   return {get_le(in.data(), 8), static_cast<std::uint32_t>(get_le(in.data() + 8, 4)), get_le(in.data() + 12, 8)};
 }
 
+result<void> remote_buffer::serialize(std::span<std::byte> out) const noexcept {
+  if (out.size() < wire_size) return std::make_error_code(std::errc::invalid_argument);
+  serialize(out.first<wire_size>());
+  return {};
+}
+
+result<remote_buffer> remote_buffer::deserialize(std::span<const std::byte> in) noexcept {
+  if (in.size() < wire_size) return std::make_error_code(std::errc::invalid_argument);
+  return deserialize(in.first<wire_size>());
+}
+
 result<remote_buffer> remote_buffer::slice(std::uint64_t offset, std::uint64_t len) const noexcept {
   if (offset > length || len > length - offset) return std::make_error_code(std::errc::result_out_of_range);
   return remote_buffer{address + offset, rkey, len};
@@ -142,6 +153,12 @@ bool connection::is_open() const noexcept { return impl_ && impl_->is_open(); }
 transport_kind connection::kind() const noexcept { return impl_ ? impl_->kind() : transport_kind::automatic; }
 std::size_t connection::max_message_size() const noexcept { return impl_ ? impl_->max_message_size() : 0; }
 endpoint connection::remote_endpoint() const noexcept { return impl_ ? impl_->remote_endpoint() : endpoint{}; }
+wire_protocol connection::protocol() const noexcept {
+  return impl_ ? impl_->protocol() : wire_protocol::shuttle;
+}
+std::span<const std::byte> connection::peer_payload() const noexcept {
+  return impl_ ? impl_->peer_payload() : std::span<const std::byte>{};
+}
 
 // ---------------------------------------------------------------- listener
 
@@ -201,11 +218,28 @@ std::string domain::describe() const { return impl_->describe(); }
 result<memory_region> domain::register_memory(std::span<std::byte> mem, unsigned access_flags) {
   return impl_->register_memory(mem, access_flags);
 }
+namespace {
+task<result<connection>> failed_connect(std::error_code ec) { co_return ec; }
+}  // namespace
+
 task<result<connection>> domain::connect(endpoint remote, connection_options opts) {
-  return impl_->connect(remote, opts);
+  // Checked here, once for every provider: nothing is sent.
+  if (opts.payload.size() > max_connect_payload) return failed_connect(make_error_code(errc::message_too_long));
+  if (opts.protocol != wire_protocol::shuttle && impl_->kind() != transport_kind::verbs)
+    return failed_connect(make_error_code(errc::not_supported));  // plain RC: verbs only
+  if (opts.protocol == wire_protocol::detect) opts.protocol = wire_protocol::shuttle;  // a listener's choice
+  return impl_->connect(remote, std::move(opts));
+}
+task<result<connection>> domain::connect(endpoint remote, std::span<const std::byte> payload,
+                                         connection_options opts) {
+  opts.payload.assign(payload.begin(), payload.end());
+  return connect(remote, std::move(opts));
 }
 result<listener> domain::listen(endpoint local, connection_options opts, listener_options limits) {
   if (!io_context::current_or_null()) return make_error_code(errc::no_io_context);
+  if (opts.payload.size() > max_connect_payload) return make_error_code(errc::message_too_long);
+  if (opts.protocol != wire_protocol::shuttle && impl_->kind() != transport_kind::verbs)
+    return make_error_code(errc::not_supported);
   return impl_->listen(local, opts, limits);
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <shuttle/error.hpp>
+#include <shuttle/transport.hpp>
 
 #include <rdma/rdma_cma.h>
 
@@ -36,6 +37,19 @@ struct wire_hello {
   std::uint32_t buffer_size;    // largest message accepted, >= 1
 };
 
+// The private data of a REQ (connect) or REP (accept): the hello, then a
+// length byte and connection_options::payload. A peer that sends no
+// payload (or 16 bytes only) is read as having sent an empty one: the CM
+// pads private data with zeros.
+struct wire_hello_payload {
+  wire_hello hello;
+  std::uint8_t payload_len;  // <= max_connect_payload
+  std::uint8_t payload[max_connect_payload];
+};
+constexpr std::size_t hello_payload_offset = sizeof(wire_hello);
+// REQ private data on IB/RoCE (rdma_cm's header takes 36 of the CM's 92).
+static_assert(hello_payload_offset + 1 + max_connect_payload <= 56);
+
 // Why a listener rejected a request: the reject's private data is
 // {reject_magic, reason} in network order.
 enum class reject_reason : std::uint32_t {
@@ -44,6 +58,7 @@ enum class reject_reason : std::uint32_t {
   too_many_connections = 3, // listener_options::max_connections
   bad_hello = 4,            // the request's private data is not a hello this side can honour
   no_resources = 5,         // QP, CQ entries or receive buffers could not be had
+  bad_payload = 7,          // a payload length byte past max_connect_payload or the private data
   // 6 is not used: a handshake past listener_options::handshake_timeout has
   // had its REP, and its REJ carries no reason (see check_deadlines).
 };

@@ -66,12 +66,14 @@ task<result<cm_evt>> conn_state::next_event() {
 result<void> conn_state::create_qp() {
   if (id->verbs != dom->ctx) return make_error_code(errc::not_supported);  // another device
   const std::uint32_t n = opts.receive_buffers + ctrl_reserve;  // the QP's receive queue
+  if (opts.shared_receive_queue && plain) return make_error_code(errc::not_supported);  // credits keep an SRQ fed
   if (opts.shared_receive_queue) {
     if (auto r = dom->srq_join(n, opts.receive_buffer_size); !r) return r;
     srq_grant = n;
   }
   // Own receive queue: only the first few receives now (grow_receives).
-  user_slots = srq_grant ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
+  // Plain: all of them (a plain peer is told of none, it just sends).
+  user_slots = srq_grant || plain ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
   const std::uint32_t posted_now = srq_grant ? n : user_slots + ctrl_reserve;
   const int want_cq = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + posted_now);
   if (!dom->reserve_cq(want_cq)) return make_error_code(std::errc::no_buffer_space);
@@ -159,14 +161,22 @@ result<void> conn_state::ready_qp(const rdma_conn_param* accepted) {
   return {};
 }
 
-rdma_conn_param conn_state::conn_param(wire_hello& hello, const cm_evt* req) const {
+rdma_conn_param conn_state::conn_param(wire_hello_payload& data, const cm_evt* req) const {
+  wire_hello& hello = data.hello;
   hello.magic = htonl(wire_magic);
   hello.max_slots = htonl(opts.receive_buffers);
   hello.initial_slots = htonl(user_slots);
   hello.buffer_size = htonl(static_cast<std::uint32_t>(std::min<std::size_t>(opts.receive_buffer_size, UINT32_MAX)));
+  const std::size_t n = std::min(opts.payload.size(), max_connect_payload);  // checked by connect() / listen()
+  data.payload_len = static_cast<std::uint8_t>(n);
+  std::memcpy(data.payload, opts.payload.data(), n);
   rdma_conn_param p{};
-  p.private_data = &hello;
-  p.private_data_len = sizeof hello;
+  p.private_data = &data;
+  p.private_data_len = static_cast<std::uint8_t>(hello_payload_offset + 1 + n);
+  if (plain) {  // the payload alone, as the bare private data
+    p.private_data = n ? opts.payload.data() : nullptr;
+    p.private_data_len = static_cast<std::uint8_t>(n);
+  }
   auto rd = static_cast<std::uint8_t>(std::min({dom->dattr.max_qp_rd_atom, dom->dattr.max_qp_init_rd_atom, 16}));
   p.responder_resources = rd;
   p.initiator_depth = rd;
@@ -183,20 +193,28 @@ rdma_conn_param conn_state::conn_param(wire_hello& hello, const cm_evt* req) con
 // (its receives) at most what a QP of this device can have posted, the
 // initial ones within its cap, a buffer size in [1, the port's max
 // message size].
-bool conn_state::take_hello(const cm_evt& e) {
-  if (e.priv_len < sizeof(wire_hello)) return false;
+// Then its payload: a length byte (none, past 16 bytes of private data:
+// an empty payload) within the bound and within what arrived.
+std::error_code conn_state::take_hello(const cm_evt& e) {
+  const auto bad = make_error_code(errc::protocol_error);
+  if (e.priv_len < sizeof(wire_hello)) return bad;
   wire_hello h;
   std::memcpy(&h, e.priv.data(), sizeof h);
-  if (ntohl(h.magic) != wire_magic) return false;
+  if (ntohl(h.magic) != wire_magic) return bad;
   const std::uint32_t max_slots = ntohl(h.max_slots), initial = ntohl(h.initial_slots);
   const std::uint32_t buffer = ntohl(h.buffer_size);
   const auto device_cap = static_cast<std::uint32_t>(std::max({dom->dattr.max_qp_wr, dom->dattr.max_srq_wr, 1}));
-  if (max_slots == 0 || max_slots > device_cap || initial == 0 || initial > max_slots) return false;
-  if (buffer == 0 || buffer > dom->max_msg) return false;
+  if (max_slots == 0 || max_slots > device_cap || initial == 0 || initial > max_slots) return bad;
+  if (buffer == 0 || buffer > dom->max_msg) return bad;
+  const std::size_t n = e.priv_len > hello_payload_offset ? e.priv[hello_payload_offset] : 0;
+  if (n > max_connect_payload || (n > 0 && hello_payload_offset + 1 + n > e.priv_len))
+    return make_error_code(errc::message_too_long);
+  const auto* first = reinterpret_cast<const std::byte*>(e.priv.data()) + hello_payload_offset + 1;
+  peer_payload.assign(first, first + n);
   peer_max_slots = max_slots;
   peer_slots = initial;
   peer_buffer = buffer;
-  return true;
+  return {};
 }
 
 void conn_state::abort_qp() {

@@ -92,6 +92,18 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   std::vector<verbs_grant*> grants;  // memory windows bound on this QP (connection::grant)
 
+  // wire_protocol::plain: no hello and no credits (sends take none, none
+  // are returned, no control messages); every receive posted from the
+  // start; an incoming immediate is the message's, not credits. Set
+  // before create_qp.
+  bool plain = false;
+  void make_plain() noexcept {
+    plain = true;
+    opts.protocol = wire_protocol::plain;
+    inline_wr.opcode = IBV_WR_SEND;
+    peer_buffer = dom->max_msg;  // the peer's buffers are its own business: the port's limit
+  }
+
   ibv_mr* scratch_mr = nullptr;
   std::uint64_t* scratch = nullptr;
   std::vector<std::uint32_t> scratch_free;
@@ -109,6 +121,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     // A quarter of the queue: at most that many slots wait to be given back.
     settle_every = std::max<std::uint32_t>(1, opts.send_queue_depth / 4);
     ++dom->st.live_connections;
+    if (opts.protocol == wire_protocol::plain) make_plain();
   }
   ~conn_state() { reap(); }
 
@@ -182,9 +195,19 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     return {};
   }
 
-  rdma_conn_param conn_param(wire_hello& hello, const cm_evt* req) const;
+  // `hello` holds the private data (the hello and opts.payload) the result points to.
+  rdma_conn_param conn_param(wire_hello_payload& hello, const cm_evt* req) const;
 
-  bool take_hello(const cm_evt& e);
+  // The peer's hello and payload from a REQ or REP: errc::protocol_error
+  // for a hello this side cannot honour, errc::message_too_long for a
+  // payload length past the bound or the private data.
+  std::error_code take_hello(const cm_evt& e);
+  std::vector<std::byte> peer_payload;  // connection::peer_payload
+  // A plain peer's REQ or REP: its private data, as the CM delivered it, is its payload.
+  void take_plain(const cm_evt& e) {
+    peer_payload.assign(reinterpret_cast<const std::byte*>(e.priv.data()),
+                        reinterpret_cast<const std::byte*>(e.priv.data()) + e.priv_len);
+  }
 
   void on_established() {
     established = true;
@@ -230,6 +253,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   // Credits: freed receive buffers go back to the peer.
   void maybe_send_credits() {
+    if (plain) return;  // the peer knows no credits
     std::uint32_t threshold = std::max<std::uint32_t>(1, user_slots / 4);
     while (usable() && to_return >= threshold && ctrl_inflight < ctrl_reserve) {
       std::uint32_t n = std::min<std::uint32_t>(to_return, 0xffff);
@@ -272,7 +296,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     wr.wr_id = settles ? reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&settle)) : 0;
     ibv_send_wr* bad = nullptr;
     if (int e = ibv_post_send(qp, &wr, &bad)) {
-      unreserve(true);
+      unreserve(!plain);
       return errno_code(e);
     }
     to_return -= credits_back;
@@ -334,7 +358,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       }
     }
     ++c->rx_count;
-    if (wc.opcode == IBV_WC_RECV && (wc.wc_flags & IBV_WC_WITH_IMM)) {
+    if (wc.opcode == IBV_WC_RECV && (wc.wc_flags & IBV_WC_WITH_IMM) && !c->plain) {
       std::uint32_t imm = ntohl(wc.imm_data);
       if ((imm & 0xffff) && !c->take_credits(imm & 0xffff)) {
         if (core* k = s->pool->srq_core) (void)k->post_srq(*s);
@@ -357,6 +381,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
       it.imm = ntohl(wc.imm_data);
     else
       it.len = wc.byte_len;
+    if (c->plain && wc.opcode == IBV_WC_RECV && (wc.wc_flags & IBV_WC_WITH_IMM)) it.imm = ntohl(wc.imm_data);
     if (wait_node* n = c->receivers.wake_one()) {
       auto* w = static_cast<recv_waiter*>(n);
       ++s->pool->refs;  // the waiter's until it builds the message (adopt_message)

@@ -88,9 +88,10 @@ class verbs_connection final : public connection_impl {
     if (msg.size() > s->peer_buffer) return out.set_result(make_error_code(errc::message_too_long));
     // Inline (never from device memory: the CPU copies the bytes): done once
     // posted, if a slot and a credit are free now.
-    if (msg.size() <= s->max_inline && s->usable() && !s->dom->in_device_memory(msg) && s->try_reserve(true))
+    // A plain connection (wire_protocol::plain) has no credits: a plain send, none taken.
+    if (msg.size() <= s->max_inline && s->usable() && !s->dom->in_device_memory(msg) && s->try_reserve(!s->plain))
       return out.set_result(s->post_inline_send(msg));
-    auto& st = out.emplace<posted_state<void>>(s, IBV_WR_SEND_WITH_IMM, true, false);
+    auto& st = out.emplace<posted_state<void>>(s, s->plain ? IBV_WR_SEND : IBV_WR_SEND_WITH_IMM, !s->plain, false);
     finish_setup(out, st, s->local_sge(msg, false, true, st.op.wr, st.op.sge));
   }
 
@@ -124,15 +125,15 @@ class verbs_connection final : public connection_impl {
     switch (o.op) {
       case operation::type::send:
         if (o.local.size() > s->peer_buffer) return make_error_code(errc::message_too_long);
-        wr.opcode = IBV_WR_SEND_WITH_IMM;  // the immediate carries returned credits
-        credit = true;
+        wr.opcode = s->plain ? IBV_WR_SEND : IBV_WR_SEND_WITH_IMM;  // the immediate carries returned credits
+        credit = !s->plain;
         break;
       case operation::type::write:
       case operation::type::write_with_imm:
         wr.opcode = o.op == operation::type::write ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_WRITE_WITH_IMM;
         if (o.op == operation::type::write_with_imm) {
           wr.imm_data = htonl(o.imm);
-          credit = true;
+          credit = !s->plain;
         }
         wr.wr.rdma.remote_addr = o.remote.address;
         wr.wr.rdma.rkey = o.remote.rkey;
@@ -205,6 +206,10 @@ class verbs_connection final : public connection_impl {
   bool is_open() const noexcept override { return s_->usable(); }
   transport_kind kind() const noexcept override { return transport_kind::verbs; }
   std::size_t max_message_size() const noexcept override { return s_->peer_buffer; }
+  std::span<const std::byte> peer_payload() const noexcept override { return s_->peer_payload; }
+  wire_protocol protocol() const noexcept override {
+    return s_->plain ? wire_protocol::plain : wire_protocol::shuttle;
+  }
   endpoint remote_endpoint() const noexcept override {
     if (!s_->id) return {};
     sockaddr* sa = rdma_get_peer_addr(s_->id);
@@ -429,7 +434,7 @@ class verbs_connection final : public connection_impl {
   [[gnu::always_inline]] void rdma(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
                                    ibv_wr_opcode opcode, std::uint32_t imm, bool credit) {
     conn_state* s = s_.get();
-    auto& st = out.emplace<posted_state<void>>(s, opcode, credit, false);
+    auto& st = out.emplace<posted_state<void>>(s, opcode, credit && !s->plain, false);
     ibv_send_wr& wr = st.op.wr;
     wr.wr.rdma.remote_addr = remote.address;
     wr.wr.rdma.rkey = remote.rkey;

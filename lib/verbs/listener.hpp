@@ -18,7 +18,7 @@ inline task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint
   if (!e) co_return e.error();
   if (e->type != RDMA_CM_EVENT_ROUTE_RESOLVED) co_return cm_error(*e);
   if (auto r = st->create_qp(); !r) co_return r.error();
-  wire_hello hello;
+  wire_hello_payload hello;
   rdma_conn_param p = st->conn_param(hello, nullptr);
   p.qp_num = st->qp_num;  // the QP is not the id's: librdmacm leaves its transitions to us
   p.srq = st->srq_grant ? 1 : 0;
@@ -29,7 +29,10 @@ inline task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint
   // The REP: the peer's hello checked, the QP readied with this side's RNR
   // retry count (not the REP's), then the RTU. A failure here destroys the
   // id, which rejects the REP.
-  if (!st->take_hello(*e)) co_return hello_error(*e);
+  if (st->plain)
+    st->take_plain(*e);
+  else if (auto bad = st->take_hello(*e))
+    co_return bad == errc::message_too_long ? bad : hello_error(*e);
   if (auto r = st->ready_qp(nullptr); !r) co_return r.error();
   if (rdma_establish(st->id) != 0) co_return last_errno();
   st->on_established();
@@ -151,8 +154,17 @@ class verbs_listener final : public listener_impl {
       case reject_reason::too_many_connections: return "refused: connection cap reached";
       case reject_reason::bad_hello: return "refused: a hello this side cannot honour (credits or buffer size)";
       case reject_reason::no_resources: return "refused: no resources (QP, CQ entries or receive buffers)";
+      case reject_reason::bad_payload:
+        static_assert(max_connect_payload == 32, "the text below");
+        return "refused: a connect payload over 32 bytes, or past the private data";
     }
     return "refused";
+  }
+
+  static bool carries_hello(const cm_evt& req) noexcept {
+    std::uint32_t magic = 0;
+    if (req.priv_len >= sizeof magic) std::memcpy(&magic, req.priv.data(), sizeof magic);
+    return ntohl(magic) == wire_magic;
   }
 
   static void reject(rdma_cm_id* id, reject_reason why) noexcept {
@@ -192,8 +204,16 @@ class verbs_listener final : public listener_impl {
     st->id = req.id;
     req.id->context = st.get();
     // The hello is checked before anything is allocated for the peer.
-    if (!refuse && !st->take_hello(req)) refuse = reject_reason::bad_hello;
-    wire_hello hello;
+    // wire_protocol::detect: a request without shuttle's magic is a plain peer.
+    if (!refuse && (opts_.protocol == wire_protocol::plain ||
+                    (opts_.protocol == wire_protocol::detect && !carries_hello(req)))) {
+      st->make_plain();
+      st->take_plain(req);
+    } else if (!refuse) {
+      if (auto bad = st->take_hello(req))
+        refuse = bad == errc::message_too_long ? reject_reason::bad_payload : reject_reason::bad_hello;
+    }
+    wire_hello_payload hello;
     if (!refuse) {
       bool ok = static_cast<bool>(st->create_qp());
       rdma_conn_param p = st->conn_param(hello, &req);
@@ -205,7 +225,10 @@ class verbs_listener final : public listener_impl {
     }
     if (refuse) {
       ++dom_->st.handshakes_refused;
-      refused(st->id, describe(*refuse));
+      if (*refuse == reject_reason::bad_hello && !carries_hello(req))
+        refused(st->id, "refused: not a shuttle peer (no shuttle hello in its request; see wire_protocol::detect)");
+      else
+        refused(st->id, describe(*refuse));
       reject(st->id, *refuse);
       st->shutdown();
       return;

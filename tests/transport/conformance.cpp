@@ -1607,6 +1607,189 @@ TEST_CASE("errors: listener::local_endpoint and tcp_listener::local_endpoint agr
   CHECK(listener{}.local_endpoint().error() == tcp_listener{}.local_endpoint().error());
 }
 
+TEST_CASE("connect payload: each side reads the other's; a remote_buffer in it needs no message") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = domain::open().value();
+    auto cd = domain::open().value();
+    std::vector<std::byte> target(4096);
+    auto mr = sd.register_memory(target, access::all).value();
+    // The listener answers every peer with the descriptor and 12 bytes more (the bound, 32, in all).
+    connection_options lopts;
+    lopts.payload.resize(max_connect_payload);
+    REQUIRE(mr.remote(1024, 2048).serialize(lopts.payload).has_value());
+    for (std::size_t i = remote_buffer::wire_size; i < max_connect_payload; ++i) lopts.payload[i] = std::byte(i);
+    std::vector<std::string> refused;
+    listener_options limits;
+    limits.on_refused = [&](const endpoint&, std::string_view why) { refused.emplace_back(why); };
+    auto l = sd.listen(test_endpoint(0), lopts, limits).value();
+    auto ep = test_endpoint(l.local_endpoint()->port());
+
+    // Payloads of 1 byte, the bound, and none.
+    const auto full = pattern(max_connect_payload, 7);
+    for (std::size_t n : {std::size_t(1), max_connect_payload, std::size_t(0)}) {
+      auto mine = std::span(full).first(n);
+      auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep, mine));
+      REQUIRE(s.has_value());
+      REQUIRE(c.has_value());
+      CHECK(std::ranges::equal(s->peer_payload(), mine));
+      CHECK(std::ranges::equal(c->peer_payload(), lopts.payload));
+      // The client writes where the payload says, with no message exchanged first.
+      auto rb = remote_buffer::deserialize(c->peer_payload());
+      REQUIRE(rb.has_value());
+      CHECK(rb->length == 2048);
+      auto data = pattern(2048, static_cast<unsigned>(n));
+      REQUIRE((co_await c->write(data, *rb)).has_value());
+      CHECK(std::memcmp(target.data() + 1024, data.data(), data.size()) == 0);
+      (void)co_await c->close();
+      (void)co_await s->close();
+    }
+    CHECK(refused.empty());
+
+    // No payload on either side (a listener without one): empty.
+    pair_t p;
+    co_await make_pair(p);
+    CHECK(p.client.peer_payload().empty());
+    CHECK(p.server.peer_payload().empty());
+    co_await close_pair(p);
+    CHECK(connection{}.peer_payload().empty());
+  }());
+}
+
+TEST_CASE("connect payload: over the bound is message_too_long, nothing sent; remote_buffer on short spans") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto d = domain::open().value();
+    connection_options big;
+    big.payload.resize(max_connect_payload + 1);
+    auto bad_listener = d.listen(test_endpoint(0), big);
+    REQUIRE_FALSE(bad_listener.has_value());
+    CHECK(bad_listener.error() == make_error_code(errc::message_too_long));
+
+    std::size_t refusals = 0;
+    listener_options limits;
+    limits.on_refused = [&](const endpoint&, std::string_view) { ++refusals; };
+    auto l = d.listen(test_endpoint(0), {}, limits).value();
+    auto ep = test_endpoint(l.local_endpoint()->port());
+    auto c = co_await d.connect(ep, big);
+    REQUIRE_FALSE(c.has_value());
+    CHECK(c.error() == make_error_code(errc::message_too_long));
+    // The listener saw nothing of it: the next connection it returns is the good one.
+    const std::array<std::byte, 3> good{std::byte{1}, std::byte{2}, std::byte{3}};
+    auto [s, c2] = co_await when_all(accept_within_limit(l), d.connect(ep, good));
+    REQUIRE(s.has_value());
+    REQUIRE(c2.has_value());
+    CHECK(std::ranges::equal(s->peer_payload(), good));
+    CHECK(refusals == 0);
+    (void)co_await c2->close();
+    (void)co_await s->close();
+
+    remote_buffer rb{0x1122334455667788u, 0xabcdef01u, 4096};
+    std::array<std::byte, remote_buffer::wire_size + 5> wide{};
+    REQUIRE(rb.serialize(std::span<std::byte>(wide)).has_value());
+    auto back = remote_buffer::deserialize(std::span<const std::byte>(wide));
+    REQUIRE(back.has_value());
+    CHECK((back->address == rb.address && back->rkey == rb.rkey && back->length == rb.length));
+    auto shorter = std::span<std::byte>(wide).first(remote_buffer::wire_size - 1);
+    CHECK(rb.serialize(shorter).error() == std::errc::invalid_argument);
+    CHECK(remote_buffer::deserialize(std::span<const std::byte>(shorter)).error() == std::errc::invalid_argument);
+    std::byte raw[remote_buffer::wire_size];  // a C array: the exact-size overloads, not ambiguous
+    rb.serialize(raw);
+    CHECK(remote_buffer::deserialize(raw).rkey == rb.rkey);
+  }());
+}
+
+TEST_CASE("interop: wire_protocol::plain is plain RC on verbs (detected by a listener), not_supported elsewhere") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = domain::open().value();
+    auto cd = domain::open().value();
+    connection_options plain;
+    plain.protocol = wire_protocol::plain;
+    connection_options detect;
+    detect.protocol = wire_protocol::detect;
+    if (sd.kind() != transport_kind::verbs) {
+      for (auto* o : {&plain, &detect}) {
+        auto l = sd.listen(test_endpoint(0), *o);
+        REQUIRE_FALSE(l.has_value());
+        CHECK(l.error() == make_error_code(errc::not_supported));
+      }
+      auto l = sd.listen(test_endpoint(0)).value();
+      auto c = co_await cd.connect(test_endpoint(l.local_endpoint()->port()), plain);
+      REQUIRE_FALSE(c.has_value());
+      CHECK(c.error() == make_error_code(errc::not_supported));
+      co_return;
+    }
+    const std::string srv_hi = "server", cli_hi = "client";
+    detect.payload.assign(reinterpret_cast<const std::byte*>(srv_hi.data()),
+                          reinterpret_cast<const std::byte*>(srv_hi.data()) + srv_hi.size());
+    detect.receive_buffers = plain.receive_buffers = 8;
+    plain.payload.assign(reinterpret_cast<const std::byte*>(cli_hi.data()),
+                         reinterpret_cast<const std::byte*>(cli_hi.data()) + cli_hi.size());
+    auto l = sd.listen(test_endpoint(0), detect).value();
+    auto ep = test_endpoint(l.local_endpoint()->port());
+    auto starts_with = [](std::span<const std::byte> got, const std::string& want) {
+      return got.size() >= want.size() && std::memcmp(got.data(), want.data(), want.size()) == 0;
+    };
+    {
+      auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep, plain));
+      REQUIRE(s.has_value());
+      REQUIRE(c.has_value());
+      CHECK(s->protocol() == wire_protocol::plain);
+      CHECK(c->protocol() == wire_protocol::plain);
+      CHECK(starts_with(s->peer_payload(), cli_hi));  // the bare private data (the CM pads it)
+      CHECK(starts_with(c->peer_payload(), srv_hi));
+      // More messages than posted receives, each way: every buffer goes back once its message is gone.
+      for (unsigned i = 0; i < 40; ++i) {
+        auto data = pattern(1 + i * 100, i);
+        auto [sr, rr] = co_await when_all(c->send(data), s->recv());
+        REQUIRE(sr.has_value());
+        REQUIRE(rr.has_value());
+        CHECK(same(rr->data(), data));
+        CHECK_FALSE(rr->imm().has_value());
+        auto [sr2, rr2] = co_await when_all(s->send(rr->data()), c->recv());
+        REQUIRE(sr2.has_value());
+        REQUIRE(rr2.has_value());
+        CHECK(same(rr2->data(), data));
+      }
+      // One-sided and write_with_imm: its immediate is the message's.
+      std::vector<std::byte> target(4096);
+      auto mr = sd.register_memory(target, access::all).value();
+      auto data = pattern(4096, 99);
+      auto [w, m] = co_await when_all(c->write_with_imm(data, mr.remote(), 0xfeedu), s->recv());
+      REQUIRE(w.has_value());
+      REQUIRE(m.has_value());
+      CHECK(m->imm() == std::optional<std::uint32_t>(0xfeedu));
+      CHECK(target == data);
+      const std::array<operation, 2> batch{operation::send(std::span(data).first(10)),
+                                           operation::send(std::span(data).first(20))};
+      auto [b, m1, m2] = co_await when_all(c->post_batch(batch), s->recv(), s->recv());
+      REQUIRE(b.has_value());
+      REQUIRE(m1.has_value());
+      REQUIRE(m2.has_value());
+      CHECK(m1->size() + m2->size() == 30);
+      (void)co_await c->close();
+      (void)co_await s->close();
+    }
+    // The same listener still takes shuttle peers (and their payloads).
+    auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep));
+    REQUIRE(s.has_value());
+    REQUIRE(c.has_value());
+    CHECK(s->protocol() == wire_protocol::shuttle);
+    CHECK(std::ranges::equal(c->peer_payload(), detect.payload));
+    auto data = pattern(100, 5);
+    auto [sr, rr] = co_await when_all(c->send(data), s->recv());
+    REQUIRE(sr.has_value());
+    REQUIRE(rr.has_value());
+    (void)co_await c->close();
+    (void)co_await s->close();
+    // A shuttle listener refuses a plain connect as before.
+    auto strict = sd.listen(test_endpoint(0)).value();
+    auto refused = co_await cd.connect(test_endpoint(strict.local_endpoint()->port()), plain);
+    CHECK_FALSE(refused.has_value());
+  }());
+}
+
 TEST_CASE("connect: refused and timeout") {
   io_context ctx;
   ctx.run([]() -> task<void> {

@@ -41,8 +41,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (!bytes.empty()) bytes = bytes.subspan(1);
 
   if (bytes.size() < hello_size) return 0;
-  (void)decode_hello(bytes.first<hello_size>());
+  auto hello = decode_hello(bytes.first<hello_size>());
   bytes = bytes.subspan(hello_size);
+  if (hello) bytes = bytes.subspan(std::min<std::size_t>(hello->payload_size, bytes.size()));  // its payload
 
   limits lim;
   lim.max_send = receive_size;

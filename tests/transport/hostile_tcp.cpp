@@ -338,3 +338,77 @@ TEST_CASE("raw peer: READ and atomic requests whose responses are never read sta
     l.close();
   }());
 }
+
+TEST_CASE("raw peer: a hello announcing a payload over the bound, or cut short, is refused with a reason") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto d = domain::open(tcp_options()).value();
+    std::vector<std::string> refused;
+    listener_options limits;
+    limits.on_refused = [&](const endpoint&, std::string_view why) { refused.emplace_back(why); };
+    auto l = d.listen(endpoint::loopback(0), {}, limits).value();
+    auto ep = endpoint::loopback(l.local_endpoint()->port());
+    // announced -> sent: over the bound; then fewer bytes than announced, and the peer closes.
+    const std::pair<std::uint16_t, std::size_t> cases[] = {{max_connect_payload + 1, max_connect_payload + 1},
+                                                            {0xffff, 16},
+                                                            {10, 4}};
+    for (auto [announced, sent] : cases) {
+      auto s = (co_await tcp_socket::connect(ep)).value();
+      std::array<std::byte, hello_size> hb{};
+      hello h;
+      h.receive_buffers = 4;
+      h.receive_buffer_size = 1024;
+      h.payload_size = announced;
+      encode_hello(h, hb);
+      std::vector<std::byte> bytes(hb.begin(), hb.end());
+      bytes.resize(bytes.size() + sent, std::byte{0x5a});
+      (void)co_await s.write_all(bytes);
+      (void)s.shutdown(SHUT_WR);
+      // The listener runs the handshake while an accept() waits; a good
+      // client then gets in, and the raw peer's socket was closed.
+      good_pair g;
+      co_await connect_good(l, g);
+      CHECK(co_await good_round(g, announced));
+      std::array<std::byte, 64> sink{};
+      std::size_t total = 0;
+      for (;;) {
+        auto n = co_await with_timeout(s.read_some(sink), 30s);
+        REQUIRE((n || n.error() != errc::operation_timeout));  // closed (a reset: our bytes were left unread)
+        if (!n || *n == 0) break;
+        total += *n;
+      }
+      CHECK(total <= hello_size);  // at most the server's hello (it sends no payload), then the end
+      (void)co_await g.client.close();
+      (void)co_await g.server.close();
+    }
+    REQUIRE(refused.size() == 3);
+    CHECK(refused[0] == "handshake failed: " + make_error_code(errc::message_too_long).message());
+    CHECK(refused[1] == refused[0]);
+    CHECK(refused[2] == "handshake failed: " + make_error_code(errc::eof).message());
+
+    // A raw server answering a connect with a payload over the bound: the connect fails, message_too_long.
+    auto raw_l = tcp_listener::bind(endpoint::loopback(0)).value();
+    auto raw_server = [&]() -> task<void> {
+      auto s = (co_await raw_l.accept()).value();
+      std::array<std::byte, hello_size> hb{};
+      hello h;
+      h.receive_buffers = 4;
+      h.receive_buffer_size = 1024;
+      h.payload_size = max_connect_payload + 1;
+      encode_hello(h, hb);
+      (void)co_await s.write_all(hb);
+      std::array<std::byte, 64> sink{};
+      while (true) {
+        auto n = co_await with_timeout(s.read_some(sink), 30s);
+        if (!n || *n == 0) break;
+      }
+    };
+    auto client = [&]() -> task<void> {
+      auto c = co_await d.connect(endpoint::loopback(raw_l.local_endpoint()->port()));
+      REQUIRE_FALSE(c.has_value());
+      CHECK(c.error() == make_error_code(errc::message_too_long));
+    };
+    co_await when_all(raw_server(), client());
+    l.close();
+  }());
+}

@@ -56,6 +56,22 @@ TEST_CASE("wire: hello round trip and refusal") {
     encode_hello(z, bad);
     CHECK(proto(decode_hello(bad).error()));
   }
+  // The connect payload's length, in what was a reserved zero field: up to the bound.
+  for (std::uint16_t n : {std::uint16_t(1), static_cast<std::uint16_t>(max_connect_payload)}) {
+    hello z = h;
+    z.payload_size = n;
+    encode_hello(z, bad);
+    auto dz = decode_hello(bad);
+    REQUIRE(dz.has_value());
+    CHECK(dz->payload_size == n);
+  }
+  CHECK(d->payload_size == 0);
+  for (std::uint16_t n : {static_cast<std::uint16_t>(max_connect_payload + 1), std::uint16_t(0xffff)}) {
+    hello z = h;
+    z.payload_size = n;
+    encode_hello(z, bad);
+    CHECK(decode_hello(bad).error() == make_error_code(errc::message_too_long));
+  }
   h.receive_buffer_size = max_receive_buffer_size + 1;
   encode_hello(h, b);
   CHECK(proto(decode_hello(b).error()));

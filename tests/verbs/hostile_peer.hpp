@@ -42,8 +42,16 @@ enum reason : std::uint32_t {
   too_many_connections = 3,
   bad_hello = 4,
   no_resources = 5,
-  handshake_timeout = 6
+  handshake_timeout = 6,
+  bad_payload = 7
 };
+// A hello followed by a connect payload's length byte and `n` bytes of it.
+inline std::vector<std::uint8_t> hello_with_payload(std::uint8_t len, std::size_t n) {
+  auto v = hello(4, 1, 4096);
+  v.push_back(len);
+  for (std::size_t i = 0; i < n; ++i) v.push_back(static_cast<std::uint8_t>(0xa0 + i));
+  return v;
+}
 
 struct event {
   rdma_cm_event_type type{};

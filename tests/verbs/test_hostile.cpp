@@ -393,6 +393,60 @@ TEST_CASE("hello checks: 0xFFFFFFFF credits and a zero buffer size are rejected 
   }());
 }
 
+// Issue 29 point 4: the connect payload after the hello. A length byte over
+// the bound (32) is rejected with its own reason; one within it is taken,
+// and the answer (REP) carries the listener's hello and its (empty) payload.
+TEST_CASE("connect payload: a length byte over the bound is rejected with a reason; within it, accepted") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    echo_server srv;
+    std::vector<std::string> refused;
+    listener_options limits;
+    limits.on_refused = [&](const endpoint&, std::string_view why) { refused.emplace_back(why); };
+    REQUIRE(srv.start(limits));
+    const endpoint ep = srv.ep();
+    struct probe {
+      std::vector<std::uint8_t> priv;
+      bool accept;
+      std::atomic<int> outcome{-1};  // 1 accepted with a hello and an empty payload, 0 rejected as bad payload, 2 other
+    };
+    probe probes[] = {{hostile::hello_with_payload(33, 33), false},
+                      {hostile::hello_with_payload(39, 39), false},  // fits the REQ, over the bound
+                      {hostile::hello_with_payload(255, 39), false},
+                      {hostile::hello_with_payload(5, 5), true},
+                      {hostile::hello_with_payload(32, 32), true}};
+    std::atomic<int> done{0};
+    std::thread peer([&] {
+      hostile::channel ch;
+      for (auto& p : probes) {
+        std::optional<hostile::event> e;
+        rdma_cm_id* id = hostile::half_open(ch, ep.data(), p.priv, 0x2000, e);
+        if (e && e->type == RDMA_CM_EVENT_CONNECT_RESPONSE && e->priv.size() >= 17 && e->priv[0] == 'S' &&
+            e->priv[16] == 0)
+          p.outcome = 1;
+        else if (e && e->type == RDMA_CM_EVENT_REJECTED && e->reason() == hostile::bad_payload)
+          p.outcome = 0;
+        else
+          p.outcome = 2;
+        if (id) rdma_destroy_id(id);
+      }
+      done = 1;
+    });
+    const bool finished = co_await wait_flag(done, 1, 120s);
+    peer.join();
+    CHECK(finished);
+    for (auto& p : probes) {
+      std::printf("payload probe: outcome %d (1 accepted, 0 rejected as bad payload)\n", p.outcome.load());
+      CHECK(p.outcome.load() == (p.accept ? 1 : 0));
+    }
+    const auto bad = std::count(refused.begin(), refused.end(),
+                                std::string("refused: a connect payload over 32 bytes, or past the private data"));
+    CHECK(bad == 3);
+    CHECK(co_await good_client(ep, "bad payloads"));
+    co_await srv.stop();
+  }());
+}
+
 // Point 3: credits are a protocol. A peer that announced 4 receives and
 // grants 65535 credits per credit-only message breaks it: that connection
 // ends with errc::protocol_error, the others go on.
@@ -638,6 +692,45 @@ TEST_CASE("the rdma echo server logs refused, timed-out and idle peers with thei
   CHECK(shown_idle + shown_capped + shown_late + suppressed == 1 + capped + first_answered + answered);
   if (shown_idle + shown_capped + shown_late + suppressed != 1 + capped + first_answered + answered)
     std::printf("--- the server's stderr:\n%s---\n", log.c_str());
+}
+
+// Issue 29 point 6: shuttle-echo-server --transport rdma --accept-plain
+// serves a client written against librdmacm alone (no private data, plain
+// sends, its own receives) and echoes its sends as plain sends; a shuttle
+// client still gets in beside it. Without the flag the plain client is
+// refused as not a shuttle peer.
+TEST_CASE("the rdma echo server with --accept-plain echoes a plain librdmacm client; without it, refuses it") {
+  const char* exe = std::getenv("SHUTTLE_ECHO_SERVER");
+  const char* client = std::getenv("SHUTTLE_PLAIN_CLIENT");
+  REQUIRE_MESSAGE(exe != nullptr, "SHUTTLE_ECHO_SERVER (the shuttle-echo-server to test) is not set");
+  REQUIRE_MESSAGE(client != nullptr, "SHUTTLE_PLAIN_CLIENT (tests/verbs/plain_echo_client) is not set");
+  const std::string host = host_of(test_endpoint(0));
+  for (bool plain : {true, false}) {
+    child_process srv;
+    std::vector<std::string> args{exe, "--transport", "rdma", "--bind", host, "--port", "0"};
+    if (plain) args.push_back("--accept-plain");
+    REQUIRE(srv.start(args));
+    const std::string listening = srv.line(60000);
+    std::printf("echo server%s: %s\n", plain ? " --accept-plain" : "", listening.c_str());
+    const auto at = listening.find("listening on port ");
+    REQUIRE(at != std::string::npos);
+    const std::string port = std::to_string(std::atoi(listening.c_str() + at + 18));
+    // Two plain clients in a row, then a shuttle client.
+    for (int i = 0; i < 2; ++i) {
+      const int status = std::system((std::string(client) + " " + host + " " + port + " 10").c_str());
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      std::printf("plain client %d: exit %d\n", i, code);
+      CHECK(code == (plain ? 0 : 3));
+    }
+    io_context ctx;
+    ctx.run([&]() -> task<void> {
+      CHECK(co_await good_client(test_endpoint(static_cast<std::uint16_t>(std::atoi(port.c_str()))),
+                                 plain ? "plain peers" : "refused plain peers"));
+    }());
+    CHECK(srv.stop(60000) == 0);
+    if (!plain) CHECK(srv.err_text().find("not a shuttle peer") != std::string::npos);
+    if (plain) CHECK(srv.err_text().find("refused") == std::string::npos);
+  }
 }
 
 // Point 3, client side: a server that asks for infinite RNR retries (7) in
