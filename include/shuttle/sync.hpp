@@ -54,12 +54,15 @@ class event {
 };
 
 // A counting semaphore; release() hands a unit straight to the oldest waiter
-// (FIFO, no barging).
+// (FIFO, no barging). close(ec) ends it for good: every waiter resumes with
+// `ec`, later acquires fail with it at once, and release() does nothing (a
+// connection that failed closes its credits so that everything waiting for
+// one fails).
 class semaphore {
  public:
   explicit semaphore(std::size_t initial) noexcept : count_(initial) {}
   std::size_t available() const noexcept { return count_; }
-  // Whether try_acquire() would succeed now.
+  // Whether try_acquire() would succeed now (never once closed).
   bool can_acquire() const noexcept { return count_ > 0 && waiters_.empty(); }
   bool try_acquire() noexcept {
     if (!can_acquire()) return false;
@@ -68,23 +71,33 @@ class semaphore {
   }
   void release(std::size_t n = 1) noexcept {
     if (waiters_.empty()) {  // the common case: no call into the wait list
-      count_ += n;
+      if (!closed_) count_ += n;
       return;
     }
     while (n > 0 && waiters_.wake_one()) --n;
-    count_ += n;  // (a large n, e.g. to fail every waiter, costs no loop)
+    count_ += n;
   }
+  void close(std::error_code ec) noexcept {
+    if (closed_) return;
+    closed_ = ec ? ec : std::make_error_code(std::errc::operation_canceled);
+    count_ = 0;
+    waiters_.wake_all();
+  }
+  // The error it was closed with; empty while open.
+  std::error_code closed() const noexcept { return closed_; }
 
   class awaiter {
    public:
     explicit awaiter(semaphore& s) noexcept : s_(s) {}
-    bool await_ready() noexcept { return s_.try_acquire(); }
+    bool await_ready() noexcept { return s_.try_acquire() || s_.closed_; }
     template <class P>
     bool await_suspend(std::coroutine_handle<P> h) {
       return s_.waiters_.park(node_, h, detail::stop_token_of(h));
     }
+    // A unit handed over just before close() is dropped with the rest.
     result<void> await_resume() const noexcept {
       if (node_.cancelled) return detail::canceled();
+      if (s_.closed_) return s_.closed_;
       return {};
     }
 
@@ -97,6 +110,7 @@ class semaphore {
 
  private:
   std::size_t count_;
+  std::error_code closed_{};
   detail::wait_list waiters_;
 };
 

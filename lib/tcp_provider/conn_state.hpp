@@ -364,10 +364,10 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // a responder unit, a message or the pending operations.
   void set_error(std::error_code ec) {
     if (!error) error = ec;
-    // Operations waiting for a slot or a credit wake and see the error.
-    slots.release(slot_waiters);
-    credits.release(credit_waiters);
-    responder_units.release(responder_waiters);
+    // Operations waiting for a slot, a credit or a responder unit fail.
+    slots.close(later_error());
+    credits.close(later_error());
+    responder_units.close(later_error());
     inbox.close();
     idle.set();
   }

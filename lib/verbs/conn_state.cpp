@@ -27,14 +27,14 @@ void conn_state::on_cm(void* arg) noexcept {
 
 void conn_state::on_event(const cm_evt& e) {
   if (dying) return;
-  if (acceptor && !established) {
+  if (acceptor && !was_open) {
     bool ok = e.type == RDMA_CM_EVENT_ESTABLISHED;
-    if (ok) on_established();
+    if (ok) enter_open();
     auto* l = std::exchange(acceptor, nullptr);
     on_accept_done(l, this, ok ? std::error_code{} : cm_error(e));
     return;
   }
-  if (established && (e.type == RDMA_CM_EVENT_DISCONNECTED || e.type == RDMA_CM_EVENT_DEVICE_REMOVAL)) {
+  if (was_open && (e.type == RDMA_CM_EVENT_DISCONNECTED || e.type == RDMA_CM_EVENT_DEVICE_REMOVAL)) {
     // What the peer sent before it disconnected completed on its side,
     // so its receives' completions are in this side's CQ already; the
     // loop may reap this event before it polls them: take them first,
@@ -43,7 +43,7 @@ void conn_state::on_event(const cm_evt& e) {
     fail(disconnected());
     return;
   }
-  if (established) return;  // TIMEWAIT_EXIT and the like
+  if (was_open) return;  // TIMEWAIT_EXIT and the like
   events.push_back(e);
   cm_event.set();
 }

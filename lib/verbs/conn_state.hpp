@@ -17,9 +17,22 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   fd_watch* cm_watch = nullptr;
   int cq_reserve = 0;
 
-  bool established = false, closed = false, error = false, qp_err = false, dying = false, reaped = false;
-  bool usable_ = false;  // usable()
-  bool disconnect_sent = false, woken = false;
+  // The connection's life, changed only by the transitions below:
+  //   connecting -> open          enter_open: established; operations may be posted
+  //   open -> closing -> closed   close(): no new operations; those in flight
+  //                               drain, then the DISCONNECT goes out
+  //   any but closed -> failed    fail(ec): terminal; pending and later
+  //                               operations fail, the QP is flushed
+  // A fail() after closed keeps `closed` (close() succeeded) and only tears
+  // down. The first error is kept in first_error.
+  enum class phase : std::uint8_t { connecting, open, closing, closed, failed };
+  phase state = phase::connecting;
+  std::error_code first_error;
+  bool was_open = false;  // reached open once (the cm events after that are not the handshake's)
+  bool usable_ = false;   // usable()
+  // Teardown steps, each taken once: QP moved to error, DISCONNECT sent,
+  // shutdown begun (the connection object is gone), resources freed.
+  bool qp_err = false, disconnect_sent = false, dying = false, reaped = false;
   std::deque<cm_evt> events;
   event cm_event;
 
@@ -83,7 +96,6 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   bool grow_pending = false, grow_stopped = false;
   bool own_qp = false;        // created here (passive side), not by rdma_create_qp: its transitions are ours
   std::uint64_t rx_count = 0;  // receive completions: the listener's idle check
-  std::error_code fail_reason;  // why it failed, when the connection's own fault (recv returns it)
   std::vector<recv_slot*> released;  // own receive queue: buffers to post again (core::flush_reposts)
   bool in_repost_list = false;
   struct ctrl_ctx : wr_ctx {
@@ -172,10 +184,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   // Credits the peer returns: never more outstanding than it announced it
   // could have posted; past that it broke the protocol (false: failed).
   bool take_credits(std::uint32_t n) noexcept {
-    if (error) return true;  // failed already: every waiter was woken
+    if (state == phase::failed) return true;  // failed already: every waiter was woken
     if (credits.available() + n > peer_max_slots) {
       ++dom->st.protocol_errors;
-      fail_with(make_error_code(errc::protocol_error));
+      fail(make_error_code(errc::protocol_error));
       return false;
     }
     credits.release(n);
@@ -209,32 +221,46 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
                         reinterpret_cast<const std::byte*>(e.priv.data()) + e.priv_len);
   }
 
-  void on_established() {
-    established = true;
+  // Transition: connecting -> open.
+  void enter_open() {
+    if (state != phase::connecting) return;
+    state = phase::open;
+    was_open = true;
     refresh_usable();
     credits.release(peer_slots);
   }
 
-  // fail, remembering why (recv() returns it): the connection's own fault.
-  void fail_with(std::error_code ec) {
-    if (!fail_reason) fail_reason = ec;
-    fail(ec);
+  // Transition: open -> closing (close(): no new operations).
+  void enter_closing() {
+    if (state != phase::open) return;
+    state = phase::closing;
+    refresh_usable();
   }
 
-  // Terminal: pending and later operations fail; the QP is flushed.
-  void fail(std::error_code) {
-    error = true;
+  // What recv() fails with once failed: the first error where it is the
+  // connection's own fault (the peer broke the protocol, or said nothing for
+  // idle_timeout), else errc::disconnected (the tcp provider's later_error).
+  std::error_code later_error() const noexcept {
+    if (first_error == make_error_code(errc::protocol_error) || first_error == make_error_code(errc::idle_timeout))
+      return first_error;
+    return disconnected();
+  }
+
+  // Transition: -> failed (terminal); closed stays closed. Pending and
+  // later operations fail (those waiting for a slot or a credit with
+  // errc::disconnected, as the flushed ones), the QP is flushed, the peer
+  // told. Idempotent; the first error is kept.
+  void fail(std::error_code ec) {
+    if (!first_error) first_error = ec;
+    if (state != phase::closed) state = phase::failed;
     refresh_usable();
-    if (established && !disconnect_sent && id) {
+    if (was_open && !disconnect_sent && id) {
       disconnect_sent = true;
       rdma_disconnect(id);  // tells the peer; moves the QP to error
     }
     abort_qp();
-    if (!woken) {
-      woken = true;
-      credits.release(1u << 20);
-      sq.release(1u << 20);
-    }
+    credits.close(disconnected());
+    sq.close(disconnected());
     receivers.wake_all();
     cm_event.set();
     drained.set();
@@ -246,10 +272,10 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
 
   void reap() noexcept;
 
-  // Operations may be posted: kept as one flag (refresh_usable after each
-  // of its four inputs changes), tested once per operation.
+  // Operations may be posted: kept as one flag (the transitions and the
+  // QP's creation and reaping refresh it), tested once per operation.
   bool usable() const noexcept { return usable_; }
-  void refresh_usable() noexcept { usable_ = established && !error && !closed && qp; }
+  void refresh_usable() noexcept { usable_ = state == phase::open && qp; }
 
   // Credits: freed receive buffers go back to the peer.
   void maybe_send_credits() {
@@ -434,7 +460,7 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   // An operation is over (its slot given back or about to be): close() waits
   // for the last one. Inlined: it ends every operation's latency path.
   [[gnu::always_inline]] void end_op() noexcept {
-    if (--inflight_ops == 0 && closed) drained.set();
+    if (--inflight_ops == 0 && state == phase::closing) drained.set();
   }
 
   // ---------------------------------------------------------------- operations (operations.hpp)

@@ -173,11 +173,13 @@ class verbs_connection final : public connection_impl {
 
   task<result<void>> close() override {
     auto s = s_;
-    if (!s->usable()) co_return s->closed ? result<void>{} : result<void>{disconnected()};
+    using phase = conn_state::phase;
+    if (!s->usable())  // a second close() (or one while the first drains) succeeds
+      co_return s->state == phase::closing || s->state == phase::closed ? result<void>{}
+                                                                         : result<void>{disconnected()};
     s->settle_unsignaled();  // the inline sends reach the peer before the disconnect
-    s->closed = true;         // no new operations
-    s->refresh_usable();
-    while (s->inflight_ops > 0 && !s->error) {
+    s->enter_closing();
+    while (s->inflight_ops > 0 && s->state == phase::closing) {
       s->drained.reset();
       if (auto r = co_await s->drained.wait(); !r) co_return r.error();
     }
@@ -188,7 +190,8 @@ class verbs_connection final : public connection_impl {
     s->receivers.wake_all();
     // Failed while draining: an operation or an inline send may not have
     // reached the peer.
-    if (s->error) co_return disconnected();
+    if (s->state == phase::failed) co_return disconnected();
+    s->state = phase::closed;
     co_return result<void>{};
   }
 
@@ -372,7 +375,7 @@ class verbs_connection final : public connection_impl {
     }
     bool start() noexcept {
       if (s->rx.empty()) s->dom->poll_inline();  // it may be in the CQ already (as posted_op)
-      return !s->rx.empty() || s->error || s->closed || !s->established;
+      return !s->rx.empty() || s->state != conn_state::phase::open;
     }
     std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token t) {
       if (!s->receivers.park(node, h, std::move(t))) return h;  // stopped already: canceled
@@ -396,7 +399,7 @@ class verbs_connection final : public connection_impl {
         s->rx.pop_front();
         return conn_state::take_message(it);
       }
-      return s->fail_reason ? s->fail_reason : disconnected();
+      return s->later_error();
     }
   };
 

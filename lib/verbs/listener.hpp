@@ -35,7 +35,7 @@ inline task<result<void>> connect_steps(std::shared_ptr<conn_state> st, endpoint
     co_return bad == errc::message_too_long ? bad : hello_error(*e);
   if (auto r = st->ready_qp(nullptr); !r) co_return r.error();
   if (rdma_establish(st->id) != 0) co_return last_errno();
-  st->on_established();
+  st->enter_open();
   co_return result<void>{};
 }
 
@@ -311,13 +311,13 @@ class verbs_listener final : public listener_impl {
     if (limits_.idle_timeout.count() <= 0) return;
     for (auto& a : accepted_) {
       auto st = a.st.lock();
-      if (!st || st->error || st->dying) continue;
+      if (!st || st->state != conn_state::phase::open || st->dying) continue;
       if (st->rx_count != a.rx_seen) {
         a.rx_seen = st->rx_count;
         a.since = now;
       } else if (now - a.since >= limits_.idle_timeout) {
         ++dom_->st.idle_timeouts;
-        st->fail_with(make_error_code(errc::idle_timeout));
+        st->fail(make_error_code(errc::idle_timeout));
       }
     }
   }

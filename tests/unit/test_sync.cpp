@@ -56,6 +56,30 @@ TEST_CASE("a cancelled semaphore wait does not consume a unit") {
   CHECK(sem.available() == 1);
 }
 
+TEST_CASE("a closed semaphore fails its waiters and later acquires with its error") {
+  io_context ctx;
+  semaphore sem(0);
+  const auto why = std::make_error_code(std::errc::connection_reset);
+  std::vector<std::error_code> got;
+  auto waiter = [&]() -> task<void> {
+    auto r = co_await sem.acquire();
+    got.push_back(r ? std::error_code{} : r.error());
+  };
+  auto closer = [&]() -> task<void> {
+    co_await yield();
+    sem.close(why);
+    sem.close(std::make_error_code(std::errc::io_error));  // the first error stays
+  };
+  ctx.run(when_all(waiter(), waiter(), closer()));
+  CHECK(got == std::vector<std::error_code>{why, why});
+  CHECK(sem.closed() == why);
+  sem.release(5);  // units given back after the close are dropped
+  CHECK(sem.available() == 0);
+  CHECK_FALSE(sem.try_acquire());
+  auto r = ctx.run([&]() -> task<result<void>> { co_return co_await sem.acquire(); }());
+  CHECK(r.error() == why);
+}
+
 TEST_CASE("mutex serialises critical sections") {
   io_context ctx;
   shuttle::mutex m;

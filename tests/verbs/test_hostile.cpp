@@ -660,10 +660,19 @@ TEST_CASE("the rdma echo server logs refused, timed-out and idle peers with thei
   const bool late_logged = wait_log("handshake failed: not established within 1000 ms", first_answered);
   // 3. A burst past the cap (the first `cap` of it held again).
   auto answers = hostile::half_open_burst(ch, ep.data(), burst, priv, 120000, held);
-  int capped = 0, answered = 0;
+  // A request may also end on the client's side before the server saw it
+  // (address or route resolution, or the CM's own REQ timeout, on a loaded
+  // host): `unseen`, neither refused nor answered.
+  int capped = 0, answered = 0, unseen = 0;
   for (auto& e : answers) {
-    capped += e && e->type == RDMA_CM_EVENT_REJECTED && e->reason() == hostile::too_many_handshakes;
-    answered += e && e->type == RDMA_CM_EVENT_CONNECT_RESPONSE;
+    const bool c = e && e->type == RDMA_CM_EVENT_REJECTED && e->reason() == hostile::too_many_handshakes;
+    const bool a = e && e->type == RDMA_CM_EVENT_CONNECT_RESPONSE;
+    capped += c;
+    answered += a;
+    if (!c && !a) {
+      ++unseen;
+      std::printf("burst: a request ended with %s\n", e ? rdma_event_str(e->type) : "no event");
+    }
   }
   // Their deadlines pass: the server destroys them (a REJ comes for each).
   int dropped = 0;
@@ -677,21 +686,27 @@ TEST_CASE("the rdma echo server logs refused, timed-out and idle peers with thei
   const int shown_late = count_of(log, ": handshake failed: not established within 1000 ms");
   const long suppressed = suppressed_in(log);
   std::printf("echo server log: %d idle, %d capped, %d late shown, %ld suppressed; events: 1 idle, %d capped, %d late"
-              " (%d answered in the first phase, %d dropped seen)\n",
+              " (%d answered in the first phase, %d dropped seen, %d ended unseen)\n",
               shown_idle, shown_capped, shown_late, suppressed, capped, first_answered + answered, first_answered,
-              dropped);
+              dropped, unseen);
   CHECK(exit_status == 0);
   CHECK(idle_logged);
   CHECK(late_logged);
   CHECK(log.find("connection from " + peer_prefix) != std::string::npos);
   CHECK(log.find("peer " + peer_prefix) != std::string::npos);
   CHECK(shown_capped >= 1);
-  CHECK(capped >= burst - cap);
+  // The cap held: past the `cap` requests held, none got a handshake.
+  CHECK(answered <= cap);
+  CHECK(capped + answered + unseen == burst);
+  CHECK(capped >= 1);
   CHECK(dropped == answered);
-  // Every event is in the log, shown or counted.
-  CHECK(shown_idle + shown_capped + shown_late + suppressed == 1 + capped + first_answered + answered);
-  if (shown_idle + shown_capped + shown_late + suppressed != 1 + capped + first_answered + answered)
-    std::printf("--- the server's stderr:\n%s---\n", log.c_str());
+  // Every event is in the log, shown or counted (a request that ended
+  // unseen by the client may still have been refused there).
+  const long logged = shown_idle + shown_capped + shown_late + suppressed;
+  const long events = 1 + capped + first_answered + answered;
+  CHECK(logged >= events);
+  CHECK(logged <= events + unseen);
+  if (logged < events || logged > events + unseen) std::printf("--- the server's stderr:\n%s---\n", log.c_str());
 }
 
 // Issue 29 point 6: shuttle-echo-server --transport rdma --accept-plain
