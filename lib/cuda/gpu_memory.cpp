@@ -179,8 +179,9 @@ result<gpu_registration> gpu_registry::register_uncached(const void* dev, std::s
 #endif
   // 2. nvidia-peermem
   if (peermem_loaded()) {
-    auto mr = d_->register_memory(std::span<std::byte>(static_cast<std::byte*>(const_cast<void*>(dev)), len),
-                                  access_flags);
+    // Flagged device memory: never sent inline (the CPU must not read it).
+    auto mr = verbs::register_device_memory(
+        *d_, std::span<std::byte>(static_cast<std::byte*>(const_cast<void*>(dev)), len), access_flags);
     if (mr) {
       reg.path = gpu_path::peermem;
       reg.region = std::move(*mr);

@@ -41,7 +41,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // cached: other memory is staged or registered per operation (transient).
   std::multimap<std::uintptr_t, std::weak_ptr<verbs_region>> user_regs;
   std::uint64_t reg_seq = 0;
-  std::size_t device_registrations = 0;  // dma-buf registrations ever made
+  std::size_t device_registrations = 0;  // device-memory registrations ever made (dma-buf, peermem)
   std::shared_ptr<staging_pool> staging;  // made on first use
   // The staging lease or transient registration that find_region made for
   // the operation being built: the operation takes it (take_hold) and holds
@@ -244,6 +244,18 @@ struct core final : poller, std::enable_shared_from_this<core> {
     return memory_region(r);
   }
 #endif
+
+  // Device memory the NIC reaches through a peer-memory module (nvidia_peermem):
+  // ibv_reg_mr on the device pointer, flagged so that it is never sent
+  // inline (the CPU would read it).
+  result<memory_region> register_device_memory(std::span<std::byte> mem, unsigned flags) {
+    auto r = reg(mem, flags);
+    if (!r) return r.error();
+    (*r)->device_memory = true;
+    ++device_registrations;
+    add_user_region(*r);
+    return memory_region(*r);
+  }
 
   // True when `mem` lies in a registration of device memory.
   bool in_device_memory(std::span<const std::byte> mem) {

@@ -102,6 +102,12 @@ result<domain_stats> stats(const domain& d) {
   return v->get().st;
 }
 
+result<memory_region> register_device_memory(domain& d, std::span<std::byte> mem, unsigned access_flags) {
+  auto* v = dynamic_cast<detail::verbs_domain*>(d.impl());
+  if (!v) return make_error_code(errc::not_supported);
+  return v->get().register_device_memory(mem, access_flags);
+}
+
 result<memory_region> register_dmabuf(domain& d, int fd, std::uint64_t offset, std::size_t length,
                                       std::uint64_t iova, unsigned access_flags) {
   auto* v = dynamic_cast<detail::verbs_domain*>(d.impl());

@@ -16,4 +16,7 @@ result<domain_stats> stats(const domain&) { return make_error_code(errc::not_sup
 result<memory_region> register_dmabuf(domain&, int, std::uint64_t, std::size_t, std::uint64_t, unsigned) {
   return make_error_code(errc::not_supported);
 }
+result<memory_region> register_device_memory(domain&, std::span<std::byte>, unsigned) {
+  return make_error_code(errc::not_supported);
+}
 }  // namespace shuttle::verbs

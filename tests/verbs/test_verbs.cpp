@@ -249,6 +249,42 @@ TEST_CASE("every operation with data verified; registration cache; inline sends"
   }());
 }
 
+// Device memory (a host-memory stand-in registered as such, as
+// cuda::gpu_registry registers peermem memory) is never sent inline: the
+// send goes through its registration (a cache hit), unlike the same send
+// from an ordinary registration, which goes inline.
+TEST_CASE("a send from a device-memory registration is never inline") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    pair_t p;
+    co_await make_pair(sd, cd, p);
+    std::vector<std::byte> host(4096), dev(4096);
+    for (std::size_t i = 0; i < 4096; ++i) host[i] = dev[i] = std::byte(i * 7);
+    auto hmr = cd.register_memory(host, access::local_write).value();
+    auto dmr = verbs::register_device_memory(cd, dev, access::local_write).value();
+    auto hits = verbs::stats(cd)->cache_hits;
+    REQUIRE((co_await p.client.send(std::span(host).first(32))).has_value());
+    const bool host_inline = verbs::stats(cd)->cache_hits == hits;  // inline: no lookup
+    hits = verbs::stats(cd)->cache_hits;
+    REQUIRE((co_await p.client.send(std::span(dev).first(32))).has_value());
+    CHECK(verbs::stats(cd)->cache_hits == hits + 1);  // posted from its registration
+    if (!host_inline) MESSAGE("this device sends nothing inline: only the device-memory half is shown");
+    for (int i = 0; i < 2; ++i) {
+      auto m = (co_await p.server.recv()).value();
+      CHECK(std::equal(m.data().begin(), m.data().end(), dev.begin(), dev.begin() + 32));
+    }
+    // Not on a non-verbs domain.
+    domain_options to;
+    to.kind = transport_kind::tcp;
+    auto td = domain::open(to);
+    REQUIRE(td.has_value());
+    CHECK(verbs::register_device_memory(*td, dev, 0).error() == make_error_code(errc::not_supported));
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+}
+
 // The passive side's one-sided operations into the active side's memory.
 // The active side's QP reaches INIT before the CM has a connection, when
 // rdma_init_qp_attr gives no remote access: a write into it once completed

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -102,5 +104,12 @@ result<domain_stats> stats(const domain& d);
 // NIC or kernel cannot.
 result<memory_region> register_dmabuf(domain& d, int fd, std::uint64_t offset, std::size_t length,
                                       std::uint64_t iova, unsigned access_flags);
+
+// Registers device (GPU) memory that the NIC reaches through a peer-memory
+// module (nvidia_peermem: ibv_reg_mr on the device pointer). As for
+// register_dmabuf, the provider never sends inline from it (the CPU must not
+// read it), so connection_options::max_inline_data need not be 0.
+// errc::not_supported on a non-verbs domain. cuda::gpu_registry uses it.
+result<memory_region> register_device_memory(domain& d, std::span<std::byte> mem, unsigned access_flags);
 
 }  // namespace shuttle::verbs
