@@ -124,6 +124,7 @@ result<void> conn_state::create_qp() {
     pool = new recv_pool;
     pool->pd = dom->pdh;
     pool->conn = this;
+    pool->home = dom;
     pool->slot_size = opts.receive_buffer_size;
     if (auto r = pool->grow(posted_now, &on_recv_wc); !r) return r.error();
     for (std::uint32_t i = 0; i < posted_now; ++i)

@@ -5,11 +5,55 @@ namespace shuttle::detail::verbs_impl {
 
 void recv_pool::release(void* owner, std::uint64_t slot) noexcept {
   auto* p = static_cast<recv_pool*>(owner);
-  if (p->srq_core)
-    p->srq_core->on_srq_release(*reinterpret_cast<recv_slot*>(slot));
-  else if (p->conn)
-    p->conn->on_message_released(*reinterpret_cast<recv_slot*>(slot));
+  auto* s = reinterpret_cast<recv_slot*>(slot);
+  if (s->readers > 0)
+    s->release_deferred = true;  // a send still reads it: back when the last completes
+  else
+    p->give_back(*s);
   p->unref();
+}
+
+void recv_pool::give_back(recv_slot& s) noexcept {
+  if (srq_core)
+    srq_core->on_srq_release(s);
+  else if (conn)
+    conn->on_message_released(s);
+}
+
+void core::rx_slot_hold::operator()(verbs_region*) const noexcept {
+  if (--slot->readers == 0 && std::exchange(slot->release_deferred, false)) pool->give_back(*slot);
+  pool->unref();
+}
+
+bool recv_pool::note_slab(std::byte* buf, std::uint32_t n, std::uint32_t first, ibv_mr* mr) noexcept {
+  auto k = home.lock();
+  if (!k) return true;  // no core to find it through: sends from it are staged or registered
+  try {
+    auto r = std::make_shared<verbs_region>();  // mr stays null: the slab's MR is the pool's to deregister
+    r->addr = buf;
+    r->length = std::size_t(n) * slot_size;
+    r->lkey = mr->lkey;
+    r->rkey = mr->rkey;
+    r->access = access::local_write;
+    slab_regions.push_back(r);
+    const auto base = reinterpret_cast<std::uintptr_t>(buf);
+    k->rx_slabs[base] = core::rx_slab{base + r->length, this, r.get(), first, n};
+  } catch (...) {
+    return false;
+  }
+  return true;
+}
+
+recv_pool::~recv_pool() {
+  if (auto k = home.lock())
+    for (auto& [b, mr] : slabs) {
+      auto it = k->rx_slabs.find(reinterpret_cast<std::uintptr_t>(b));
+      if (it != k->rx_slabs.end() && it->second.pool == this) k->rx_slabs.erase(it);
+    }
+  for (auto& [b, mr] : slabs) {
+    if (mr) ibv_dereg_mr(mr);
+    std::free(b);
+  }
 }
 
 result<void> core::srq_join(std::uint32_t grant, std::size_t slot_size) {
@@ -24,6 +68,7 @@ result<void> core::srq_join(std::uint32_t grant, std::size_t slot_size) {
     srq_pool = new recv_pool;
     srq_pool->pd = pdh;
     srq_pool->srq_core = this;
+    srq_pool->home = weak_from_this();
     srq_pool->slot_size = slot_size;
   }
   if (slot_size > srq_pool->slot_size) return std::make_error_code(std::errc::invalid_argument);

@@ -70,6 +70,42 @@ struct core final : poller, std::enable_shared_from_this<core> {
   std::vector<recv_slot*> srq_released;   // SRQ buffers released
   void flush_reposts() noexcept;
 
+  // The receive pools' slabs by address: a send from the bytes of a
+  // received message the application holds (an echo) is posted from the
+  // slab's MR, the buffer held until the send completes (hold_rx_slot).
+  struct rx_slab {
+    std::uintptr_t end;
+    recv_pool* pool;
+    verbs_region* region;
+    std::uint32_t first, count;  // the slab's slots in pool->slots
+  };
+  std::map<std::uintptr_t, rx_slab> rx_slabs;
+  // Deleter of hold_rx_slot's hold: the buffer's reader count goes down,
+  // and a buffer released meanwhile goes back to its queue (core.cpp).
+  struct rx_slot_hold {
+    recv_pool* pool;
+    recv_slot* slot;
+    void operator()(verbs_region*) const noexcept;
+  };
+  // When [a, a+len) lies in one receive buffer: its slab's region, the
+  // buffer held for the operation (op_owned). Else null.
+  verbs_region* hold_rx_slot(std::uintptr_t a, std::size_t len) {
+    auto it = rx_slabs.upper_bound(a);
+    if (it == rx_slabs.begin()) return nullptr;
+    --it;
+    const rx_slab& sl = it->second;
+    if (a >= sl.end) return nullptr;
+    const std::size_t idx = (a - it->first) / sl.pool->slot_size;
+    if (idx >= sl.count) return nullptr;  // the slab's rounding past its last buffer
+    recv_slot& slot = sl.pool->slots[sl.first + idx];
+    if (len > reinterpret_cast<std::uintptr_t>(slot.addr) + sl.pool->slot_size - a) return nullptr;
+    ++slot.readers;
+    ++sl.pool->refs;
+    op_owned = std::shared_ptr<verbs_region>(sl.region, rx_slot_hold{sl.pool, &slot});
+    ++st.receive_buffer_sends;
+    return sl.region;
+  }
+
   ~core() override {
     if (loop) loop->backend().remove_poller(*this);
     if (cq_watch) cq_watch->destroy();
@@ -315,7 +351,8 @@ struct core final : poller, std::enable_shared_from_this<core> {
     }
     return find_region(mem, need_write, may_stage, sge);
   }
-  // local_region past the last registration: a user registration covering
+  // local_region past the last registration: a receive buffer holding
+  // `mem` (a send of received bytes), else a user registration covering
   // `mem`, else (memory the library cannot watch) a staging slot that the
   // bytes are copied into now (sge then points at it; `may_stage`: a send
   // or write source whose bytes may be taken now), else a registration for
@@ -324,6 +361,8 @@ struct core final : poller, std::enable_shared_from_this<core> {
   [[gnu::noinline]] result<verbs_region*> find_region(std::span<const std::byte> mem, bool need_write, bool may_stage,
                                                       ibv_sge& sge) {
     auto a = reinterpret_cast<std::uintptr_t>(mem.data());
+    if (!need_write && !rx_slabs.empty())
+      if (verbs_region* r = hold_rx_slot(a, mem.size())) return r;
     if (auto sp = find_cover(user_regs, a, mem.size(), need_write)) {
       ++st.cache_hits;
       remember(sp);

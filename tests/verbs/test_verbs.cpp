@@ -538,6 +538,137 @@ TEST_CASE("receive credits: a burst far beyond the posted receives, slow consume
   }());
 }
 
+// An echo: the server sends back the bytes of a message it still holds.
+// They are posted from the receive buffer's own registration (nothing is
+// staged or registered for them), and the buffer, released as soon as the
+// send is started, is posted again only after that send completes: the
+// client, sending the next messages meanwhile, never sees them in an echo.
+// Own receive queues and the SRQ.
+TEST_CASE("echo from a held received message: sent from the receive buffer, reposted only after the send") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    constexpr int n = 48;
+    auto client_send = [](connection& c, std::size_t size) -> task<bool> {
+      for (int i = 0; i < n; ++i)
+        if (!(co_await c.send(pattern(size, static_cast<unsigned>(i))))) co_return false;
+      co_return true;
+    };
+    auto client_recv = [](connection& c, std::size_t size) -> task<int> {
+      int good = 0;
+      for (int i = 0; i < n; ++i) {
+        auto m = co_await c.recv();
+        if (!m) co_return good;
+        auto want = pattern(size, static_cast<unsigned>(i));
+        if (m->size() == size && std::memcmp(m->data().data(), want.data(), size) == 0) ++good;
+      }
+      co_return good;
+    };
+    auto echo = [](connection& c, std::span<const std::byte> b) -> task<bool> {
+      co_return (co_await c.send(b)).has_value();
+    };
+    auto release = [](message& m) -> task<bool> {
+      m.reset();  // while the echo of its bytes is in flight (or just done)
+      co_return true;
+    };
+    auto server = [&echo, &release](connection& c) -> task<int> {
+      int sent = 0;
+      for (int i = 0; i < n; ++i) {
+        auto m = co_await c.recv();
+        if (!m) co_return sent;
+        auto [ok, released] = co_await when_all(echo(c, m->data()), release(*m));
+        if (ok && released) ++sent;
+      }
+      co_return sent;
+    };
+    for (bool srq : {false, true}) {
+      for (std::size_t size : {std::size_t(4096), std::size_t(60000)}) {
+        CAPTURE(srq);
+        CAPTURE(size);
+        connection_options opts;
+        opts.receive_buffers = 4;
+        opts.receive_buffer_size = 64 << 10;
+        opts.max_inline_data = 0;
+        opts.shared_receive_queue = srq;
+        pair_t p;
+        co_await make_pair(sd, cd, p, opts);
+        const auto before = *verbs::stats(sd);
+        auto [sent_ok, good, echoed] =
+            co_await when_all(client_send(p.client, size), client_recv(p.client, size), server(p.server));
+        const auto after = *verbs::stats(sd);
+        CHECK(sent_ok);
+        CHECK(echoed == n);
+        CHECK(good == n);
+        CHECK(after.receive_buffer_sends == before.receive_buffer_sends + n);
+        CHECK(after.staged == before.staged);
+        CHECK(after.transient_registrations == before.transient_registrations);
+        CHECK(after.registrations == before.registrations);
+        (void)co_await p.client.close();
+        (void)co_await p.server.close();
+      }
+    }
+  }());
+}
+
+// The deferral itself. The echo must wait for a credit (the client's only
+// receive holds a message it has not read yet), so the NIC reads its bytes
+// from the receive buffer only later; the server releases the message
+// meanwhile, and the client sends a few more messages, which the server
+// takes and releases. Were the echo's buffer posted again at release, one
+// of them would land in it (the receive queue turns over) and be echoed.
+// (The client gives up a send that waits long; nothing is asserted on time.)
+TEST_CASE("a message released while its echo waits for a credit: its buffer is not reused before the echo") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    connection_options opts;
+    opts.receive_buffers = 1;
+    opts.receive_buffer_size = 8192;
+    opts.max_inline_data = 0;
+    pair_t p;
+    co_await make_pair(sd, cd, p, opts);
+    constexpr int more = 6;
+    const auto a = pattern(4096, 1), filler = pattern(100, 3);
+    event echo_started;
+    auto server = [](connection& c, std::span<const std::byte> fill, event& started) -> task<bool> {
+      auto m = co_await c.recv();
+      if (!m || !(co_await c.send(fill))) co_return false;  // takes the client's only credit
+      auto echo = [](connection& c, std::span<const std::byte> bytes) -> task<bool> {
+        co_return (co_await c.send(bytes)).has_value();
+      };
+      auto release_then_take = [](connection& c, message& held, event& st) -> task<bool> {
+        held.reset();
+        st.set();
+        for (int k = 0; k < more; ++k) {
+          auto next = co_await with_timeout(c.recv(), 2s);
+          if (!next) break;
+        }
+        co_return true;
+      };
+      auto [ok, released] = co_await when_all(echo(c, m->data()), release_then_take(c, *m, started));
+      co_return ok && released;
+    };
+    // 1: the echo carries a's bytes; 0: other bytes (its buffer was reused); < 0: failed.
+    auto client = [](connection& c, std::span<const std::byte> a, event& started) -> task<int> {
+      if (!(co_await c.send(a))) co_return -1;
+      (void)co_await started.wait();
+      for (int k = 0; k < more; ++k)
+        if (!(co_await with_timeout(c.send(pattern(4096, 10 + k)), 300ms))) break;
+      auto f = co_await c.recv();
+      if (!f) co_return -2;
+      f->reset();  // a credit for the echo
+      auto e = co_await c.recv();
+      if (!e || e->size() != a.size()) co_return -3;
+      co_return std::memcmp(e->data().data(), a.data(), a.size()) == 0 ? 1 : 0;
+    };
+    auto [served, got] = co_await when_all(server(p.server, filler, echo_started), client(p.client, a, echo_started));
+    CHECK(served);
+    CHECK(got == 1);
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+}
+
 // Released buffers are posted again at the loop's next poll, not inside
 // message::reset (see core::flush_reposts): the window of receive buffers
 // keeps turning over, and releases around a connection's destruction or

@@ -83,6 +83,9 @@ struct domain_stats {
   // or registered for that operation alone.
   std::uint64_t staged = 0;
   std::uint64_t transient_registrations = 0;
+  // Sends and writes from the bytes of a received message the application
+  // holds (an echo): posted from the receive buffer's own registration.
+  std::uint64_t receive_buffer_sends = 0;
   std::size_t live_connections = 0;  // QPs not destroyed yet (incl. draining)
   // Listeners of the domain (listener_options): requests refused at once (a
   // cap, a bad hello, no resources), handshakes dropped at their deadline,
