@@ -86,6 +86,47 @@ result<void> core::srq_join(std::uint32_t grant, std::size_t slot_size) {
 
 bool core::poll_cq() { return poll_cq_inlined(); }
 
+bool core::device_memory_slow(std::span<const std::byte> mem, const verbs::device_memory_hooks* h) {
+  const auto a = reinterpret_cast<std::uintptr_t>(mem.data());
+  if (a >= last_base && a <= last_end && mem.size() <= last_end - a && !last_region.expired())
+    return last_ptr->device_memory;  // the registration operations found last decides
+  if (!user_regs.empty())
+    if (auto sp = find_cover(user_regs, a, mem.size(), false)) return sp->device_memory;
+  return h && h->is_device_memory && h->is_device_memory(mem.data(), mem.size());
+}
+
+result<verbs_region*> core::device_region(std::span<const std::byte> mem, bool need_write,
+                                          const verbs::device_memory_hooks& h) {
+  const int acc = need_write ? IBV_ACCESS_LOCAL_WRITE : 0;
+  ibv_mr* mr = nullptr;
+#ifdef SHUTTLE_HAVE_VERBS_DMABUF
+  if (h.export_dmabuf) {
+    std::uint64_t offset = 0;
+    const int fd = h.export_dmabuf(mem.data(), mem.size(), &offset);
+    if (fd >= 0) {
+      mr = ibv_reg_dmabuf_mr(pd, offset, mem.size(), reinterpret_cast<std::uintptr_t>(mem.data()), fd, acc);
+      ::close(fd);  // the registration holds its own reference to the buffer
+    }
+  }
+#endif
+  if (!mr && h.peermem && h.peermem())
+    mr = ibv_reg_mr(pd, const_cast<std::byte*>(mem.data()), mem.size(), acc);
+  if (!mr) return make_error_code(errc::unregistered_device_memory);
+  ++st.registrations;
+  ++st.transient_registrations;
+  auto r = std::make_shared<verbs_region>();
+  r->mr = mr;
+  r->pd = pdh;
+  r->addr = const_cast<std::byte*>(mem.data());
+  r->length = mem.size();
+  r->access = need_write ? unsigned(access::local_write) : 0u;
+  r->lkey = mr->lkey;
+  r->rkey = mr->rkey;
+  r->device_memory = true;
+  op_owned = std::move(r);
+  return op_owned.get();
+}
+
 void core::on_unsignaled_error(const ibv_wc& wc) noexcept {
   if (conn_state* c = conn_of(wc.qp_num)) c->fail(wc_error(wc.status));
 }

@@ -4,6 +4,12 @@
 
 #include "recv_pool.hpp"
 
+#include <atomic>
+
+namespace shuttle::verbs {
+extern std::atomic<const device_memory_hooks*> installed_hooks;  // common.cpp
+}
+
 namespace shuttle::detail::verbs_impl {
 
 // ------------------------------------------------------------------ core
@@ -293,12 +299,20 @@ struct core final : poller, std::enable_shared_from_this<core> {
     return memory_region(*r);
   }
 
-  // True when `mem` lies in a registration of device memory.
+  // True when `mem` is device memory (the inline decision: the CPU would
+  // read it): a registration of device memory covers it, else the GPU
+  // layer's hooks say so (verbs::device_memory_hooks). Host-only domains
+  // without hooks skip the lookup.
   bool in_device_memory(std::span<const std::byte> mem) {
-    if (device_registrations == 0) return false;  // host-only domains skip the lookup
-    auto sp = find_cover(user_regs, reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), false);
-    return sp && sp->device_memory;
+    const auto* h = verbs::installed_hooks.load(std::memory_order_acquire);
+    if (device_registrations == 0 && (!h || !h->is_device_memory)) return false;
+    return device_memory_slow(mem, h);
   }
+  bool device_memory_slow(std::span<const std::byte> mem, const verbs::device_memory_hooks* h);
+  // Device memory no registration covers, registered for one operation
+  // through the GPU layer's hooks (dma-buf, else peer memory), or refused.
+  result<verbs_region*> device_region(std::span<const std::byte> mem, bool need_write,
+                                      const verbs::device_memory_hooks& h);
 
   // Every call registers anew, as ibv_reg_mr does: an earlier region of the
   // same range may describe pages that are no longer mapped there (its
@@ -368,6 +382,10 @@ struct core final : poller, std::enable_shared_from_this<core> {
       remember(sp);
       return sp.get();
     }
+    // Neither copied by the CPU nor registered as host memory.
+    if (const auto* h = verbs::installed_hooks.load(std::memory_order_acquire);
+        h && h->is_device_memory && h->is_device_memory(mem.data(), mem.size()))
+      return device_region(mem, need_write, *h);
     if (may_stage && !need_write && mem.size() <= staging_slot_size) {
       if (auto lease = stage(mem)) {
         sge.addr = reinterpret_cast<std::uintptr_t>(staging->mem) + std::uintptr_t(lease->slot) * staging_slot_size;

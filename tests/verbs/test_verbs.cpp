@@ -285,6 +285,96 @@ TEST_CASE("a send from a device-memory registration is never inline") {
   }());
 }
 
+// Unregistered device memory (verbs::device_memory_hooks). A host buffer
+// stands in: the test's hooks call it device memory, as lib/cuda's call
+// cudaMalloc'd memory. The CPU never reads it (no inline send, no staging
+// copy) and it is never registered as host memory: with no GPU path for the
+// NIC, send, write and read fail with unregistered_device_memory (dma-buf
+// tried first) and the connection stays usable; with a peer-memory path,
+// each operation registers it for itself. Registered memory never asks.
+namespace {
+struct fake_gpu {
+  static inline const std::byte* base = nullptr;
+  static inline std::size_t len = 0;
+  static inline int classify_calls = 0, export_calls = 0;
+  static inline bool peermem_on = false;
+  static bool is_device(const void* p, std::size_t n) noexcept {
+    ++classify_calls;
+    auto* b = static_cast<const std::byte*>(p);
+    return b >= base && b + n <= base + len;
+  }
+  static int export_dmabuf(const void*, std::size_t, std::uint64_t*) noexcept {
+    ++export_calls;
+    return -1;  // no dma-buf here: the peer-memory path is next
+  }
+  static bool peermem() noexcept { return peermem_on; }
+};
+const verbs::device_memory_hooks fake_hooks{&fake_gpu::is_device, &fake_gpu::export_dmabuf, &fake_gpu::peermem};
+struct hooks_guard {  // the hooks that were installed (lib/cuda's, if any) come back
+  const verbs::device_memory_hooks* before = verbs::set_device_memory_hooks(&fake_hooks);
+  ~hooks_guard() { verbs::set_device_memory_hooks(before); }
+};
+}  // namespace
+
+TEST_CASE("unregistered device memory: never read by the CPU nor registered as host memory; refused or registered") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    pair_t p;
+    co_await make_pair(sd, cd, p);
+    std::vector<std::byte> dev = pattern(8192, 5), host = pattern(8192, 6), target(8192);
+    auto tmr = sd.register_memory(target, access::all).value();
+    fake_gpu::base = dev.data();
+    fake_gpu::len = dev.size();
+    hooks_guard guard;
+    const auto unreachable = make_error_code(errc::unregistered_device_memory);
+    const auto st0 = *verbs::stats(cd);
+
+    // No path for the NIC: refused before anything is posted.
+    auto s1 = co_await p.client.send(std::span(dev).first(32));  // small enough to go inline
+    CHECK((!s1 && s1.error() == unreachable));
+    auto w1 = co_await p.client.write(dev, tmr.remote(0, 8192));
+    CHECK((!w1 && w1.error() == unreachable));
+    auto r1 = co_await p.client.read(dev, tmr.remote(0, 8192));
+    CHECK((!r1 && r1.error() == unreachable));
+    CHECK(fake_gpu::export_calls == 3);
+    auto st1 = *verbs::stats(cd);
+    CHECK(st1.staged == st0.staged);
+    CHECK(st1.registrations == st0.registrations);
+    CHECK(p.client.is_open());
+    CHECK(std::all_of(target.begin(), target.end(), [](std::byte b) { return b == std::byte{0}; }));
+
+    // Registered host memory: the hooks are not asked (inline or not).
+    auto hmr = cd.register_memory(host, access::local_write).value();
+    REQUIRE((co_await p.client.write(host, tmr.remote(0, 8192))).has_value());
+    const int calls = fake_gpu::classify_calls;
+    REQUIRE((co_await p.client.send(std::span(host).first(32))).has_value());
+    REQUIRE((co_await p.client.write(host, tmr.remote(0, 8192))).has_value());
+    CHECK(fake_gpu::classify_calls == calls);
+    CHECK(target == host);
+
+    // A peer-memory path: each operation registers the memory for itself.
+    fake_gpu::peermem_on = true;
+    st1 = *verbs::stats(cd);
+    REQUIRE((co_await p.client.send(std::span(dev).first(32))).has_value());
+    REQUIRE((co_await p.client.write(dev, tmr.remote(0, 8192))).has_value());
+    CHECK(target == dev);
+    std::memcpy(target.data(), host.data(), host.size());
+    REQUIRE((co_await p.client.read(dev, tmr.remote(0, 8192))).has_value());
+    CHECK(dev == host);
+    const auto st2 = *verbs::stats(cd);
+    CHECK(st2.transient_registrations == st1.transient_registrations + 3);
+    CHECK(st2.staged == st1.staged);
+    CHECK(fake_gpu::export_calls == 6);  // dma-buf first, every time
+    for (int i = 0; i < 2; ++i) {  // the inline send from host memory, then the one from "device" memory
+      auto m = (co_await p.server.recv()).value();
+      CHECK(std::equal(m.data().begin(), m.data().end(), (i == 0 ? host : pattern(8192, 5)).begin()));
+    }
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+}
+
 // The passive side's one-sided operations into the active side's memory.
 // The active side's QP reaches INIT before the CM has a connection, when
 // rdma_init_qp_attr gives no remote access: a write into it once completed

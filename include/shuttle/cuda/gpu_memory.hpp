@@ -16,7 +16,9 @@
 //  - no inline sends from GPU memory: an inline send makes the CPU copy the
 //    payload (it would read device memory through a host pointer); the verbs
 //    provider refuses inline for this registry's regions (dma-buf and peermem);
-//    unregistered GPU memory is never passed to a verbs operation;
+//    unregistered GPU memory passed to a verbs operation is told apart by the
+//    hooks this layer installs (verbs::device_memory_hooks): registered for
+//    that operation (dma-buf, else peermem) or refused, never read by the CPU;
 //  - a GPU-side receiver learns of arrival from the write_with_imm completion
 //    (the loop), never by polling GPU memory: a NIC's writes may be seen out
 //    of order by a polling kernel;

@@ -115,4 +115,28 @@ result<memory_region> register_dmabuf(domain& d, int fd, std::uint64_t offset, s
 // errc::not_supported on a non-verbs domain. cuda::gpu_registry uses it.
 result<memory_region> register_device_memory(domain& d, std::span<std::byte> mem, unsigned access_flags);
 
+// How the verbs provider tells device (GPU) memory from host memory without
+// a CUDA call of its own: a GPU layer installs these (lib/cuda does, when
+// CUDA is present). They are consulted only for memory that no registration
+// covers (an operation's slow path) and for the inline-send decision, never
+// for registered memory. Device memory found there is registered for that
+// operation alone through a dma-buf (export_dmabuf), else through a
+// peer-memory module (peermem), and flagged so the CPU never reads it
+// (no inline, no staging copy); with neither, the operation fails with
+// errc::unregistered_device_memory. Every member may be null.
+struct device_memory_hooks {
+  // True when [p, p+len) is device memory the CPU cannot read.
+  bool (*is_device_memory)(const void* p, std::size_t len) noexcept = nullptr;
+  // A dma-buf fd covering [p, p+len) and p's offset in it (the caller closes
+  // the fd), or -1.
+  int (*export_dmabuf)(const void* p, std::size_t len, std::uint64_t* offset) noexcept = nullptr;
+  // True when ibv_reg_mr on a device pointer reaches device memory
+  // (nvidia_peermem loaded).
+  bool (*peermem)() noexcept = nullptr;
+};
+// Installs `h` for every verbs domain (kept by pointer: a static object;
+// null removes it). Returns the one installed before.
+const device_memory_hooks* set_device_memory_hooks(const device_memory_hooks* h) noexcept;
+const device_memory_hooks* installed_device_memory_hooks() noexcept;
+
 }  // namespace shuttle::verbs
