@@ -73,7 +73,9 @@ result<void> conn_state::create_qp() {
   // Own receive queue: only the first few receives now (grow_receives).
   user_slots = srq_grant ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
   const std::uint32_t posted_now = srq_grant ? n : user_slots + ctrl_reserve;
-  const int want_cq = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + posted_now);
+  // Send slots: a few now, more as they are used (grow_send).
+  sq_granted = std::min(opts.send_queue_depth, initial_send_slots);
+  const int want_cq = static_cast<int>(sq_granted + ctrl_reserve + 1 + posted_now);
   if (!dom->reserve_cq(want_cq)) return make_error_code(std::errc::no_buffer_space);
   cq_reserve = want_cq;
 
@@ -113,7 +115,7 @@ result<void> conn_state::create_qp() {
   qp_num = qp->qp_num;
   refresh_usable();
   max_inline = std::min(a.cap.max_inline_data, opts.max_inline_data);
-  sq.release(opts.send_queue_depth);
+  sq.release(sq_granted);
   dom->qp_conns[qp_num] = this;
 
   if (srq_grant) {  // the SRQ's buffers, already posted (srq_join)

@@ -22,6 +22,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   ibv_cq* cq = nullptr;
   int cq_size = 0;
   int cq_reserved = 0;
+  int cq_limit = 0;  // reservations never pass it: the device's max_cqe, or verbs::limit_cq_entries
   ibv_device_attr dattr{};
   std::uint32_t max_msg = 0;  // the port's max_msg_sz: the largest buffer size a peer may announce
   std::uint8_t port = 1;
@@ -221,9 +222,10 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // if it can; false when they do not fit (that connection is refused or
   // stops growing, the others keep theirs).
   bool reserve_cq(int n) noexcept {
+    if (n > cq_limit - cq_reserved) return false;
     if (cq_reserved + n > cq_size) {
-      int want = std::min(dattr.max_cqe, std::max(cq_size * 2, cq_reserved + n));
-      if (want < cq_reserved + n || ibv_resize_cq(cq, want) != 0) return false;
+      int want = std::min(cq_limit, std::max(cq_size * 2, cq_reserved + n));
+      if (ibv_resize_cq(cq, want) != 0) return false;
       cq_size = cq->cqe;
     }
     cq_reserved += n;

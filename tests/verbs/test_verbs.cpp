@@ -854,6 +854,105 @@ TEST_CASE("64 QPs share one CQ per domain; pipelined operations on all") {
   }());
 }
 
+// CQ entries are reserved per connection as it uses them (the client
+// domain's CQ bounded by verbs::limit_cq_entries here). Each connection takes
+// 10 entries at connect (4 send slots, 2 control sends, the close marker,
+// its receive and 2 control receives); reserving the whole 64-deep send
+// queue at connect took 70, and not even the first fitted. One that cannot
+// grow goes on with the slots it has; a connection that does not fit is
+// refused and the others carry on; one closed makes room.
+TEST_CASE("CQ reservation per connection: grows with use; only the connection that does not fit is refused") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    REQUIRE(verbs::limit_cq_entries(cd, 40).has_value());
+    connection_options opts;
+    opts.send_queue_depth = 64;
+    opts.receive_buffers = 1;
+    opts.max_inline_data = 0;
+    auto l = sd.listen(test_endpoint(0), opts).value();
+    auto ep = test_endpoint(l.local_endpoint()->port());
+    std::vector<connection> servers, clients;
+    for (int i = 0; i < 3; ++i) {  // 30 entries
+      auto [s, c] = co_await when_all(accept_within_limit(l), cd.connect(ep, opts));
+      REQUIRE(s.has_value());
+      REQUIRE(c.has_value());
+      servers.push_back(std::move(*s));
+      clients.push_back(std::move(*c));
+    }
+    std::vector<std::byte> target(64 * 1024), src = pattern(64 * 1024, 9);
+    auto tmr = sd.register_memory(target, access::all).value();
+    auto smr = cd.register_memory(src, access::local_write).value();
+    // 64 writes at once on the first: its slots grow to 8 (34 entries) but
+    // not to 16 (42): the batch goes in chunks of the slots it has.
+    std::vector<operation> ops;
+    for (std::size_t i = 0; i < 64; ++i)
+      ops.push_back(operation::write(std::span(src).subspan(i * 1024, 1024), tmr.remote(i * 1024, 1024)));
+    REQUIRE((co_await clients[0].post_batch(ops)).has_value());
+    CHECK(target == src);
+    auto round_trip = [](connection& c, connection& s, unsigned seed) -> task<bool> {
+      auto msg = pattern(1000, seed);
+      if (!(co_await c.send(msg))) co_return false;
+      auto m = co_await s.recv();
+      co_return m && m->size() == msg.size() && std::equal(msg.begin(), msg.end(), m->data().begin());
+    };
+    for (std::size_t i = 0; i < 3; ++i) CHECK(co_await round_trip(clients[i], servers[i], 20 + unsigned(i)));
+    // A fourth does not fit (44 > 40): refused; the others carry on.
+    auto refused = co_await cd.connect(ep, opts);
+    REQUIRE_FALSE(refused.has_value());
+    CHECK(refused.error() == std::errc::no_buffer_space);
+    std::fill(target.begin(), target.end(), std::byte{0});
+    REQUIRE((co_await clients[0].post_batch(ops)).has_value());
+    CHECK(target == src);
+    for (std::size_t i = 0; i < 3; ++i) CHECK(co_await round_trip(clients[i], servers[i], 30 + unsigned(i)));
+    // One closed makes room, once its QP is gone (its entries go with it).
+    (void)co_await clients[2].close();
+    clients.pop_back();
+    servers.pop_back();
+    for (int i = 0; i < 500 && verbs::stats(cd)->live_connections > 2; ++i) (void)co_await sleep_for(10ms);
+    REQUIRE(verbs::stats(cd)->live_connections == 2);
+    auto [s4, c4] = co_await when_all(accept_within_limit(l), cd.connect(ep, opts));
+    REQUIRE(s4.has_value());
+    REQUIRE(c4.has_value());
+    CHECK(co_await round_trip(*c4, *s4, 40));
+    (void)co_await c4->close();
+    for (auto& c : clients) (void)co_await c.close();
+
+    // A connection held to its first 4 send slots (the CQ has room for no
+    // more) sends inline, unsignaled: the send taking the last free slot
+    // settles, so the slots come back (else the fifth send waited for ever).
+    auto sd2 = open_verbs(), cd2 = open_verbs();
+    REQUIRE(verbs::limit_cq_entries(cd2, 10).has_value());
+    opts.max_inline_data = 64;
+    opts.receive_buffers = 64;  // credits enough for sends to go inline (the client's receives stay 1)
+    pair_t p;
+    co_await make_pair(sd2, cd2, p, opts);
+    auto small_sends = [](connection& c) -> task<bool> {
+      for (unsigned i = 0; i < 300; ++i) {
+        auto b = pattern(32, i);
+        if (!(co_await c.send(b))) co_return false;
+      }
+      co_return true;
+    };
+    auto small_recvs = [](connection& c) -> task<int> {
+      int good = 0;
+      for (unsigned i = 0; i < 300; ++i) {
+        auto m = co_await with_timeout(c.recv(), 30s);
+        if (!m) break;
+        auto want = pattern(32, i);
+        if (m->size() == 32 && std::equal(want.begin(), want.end(), m->data().begin())) ++good;
+      }
+      co_return good;
+    };
+    // The deadlines only turn a hang into a failure.
+    auto [sent, got] = co_await when_all(with_timeout(small_sends(p.client), 30s), small_recvs(p.server));
+    CHECK((sent && *sent));
+    CHECK(got == 300);
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+}
+
 TEST_CASE("1000 connect/disconnect cycles without fd or memory growth") {
   io_context ctx;
   ctx.run([]() -> task<void> {

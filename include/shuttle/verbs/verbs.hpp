@@ -73,6 +73,17 @@ std::error_code make_wc_error(int ibv_wc_status) noexcept;
 // errc::not_supported for a non-verbs domain.
 result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget);
 
+// The domain's connections share one CQ; each reserves entries in it for
+// what it may have outstanding: at connect a few send-queue slots and the
+// receives it posts, then more as it uses them (send slots and receives
+// double up to the connection's options). A connection that does not fit
+// is refused (connect/accept: std::errc::no_buffer_space) or stops growing
+// and waits for its own completions; the others keep theirs. The CQ grows
+// with ibv_resize_cq up to the device's max_cqe, or up to `max_entries`
+// (a bound on the CQ's memory; reservations made already stay).
+// errc::not_supported for a non-verbs domain.
+result<void> limit_cq_entries(domain& d, int max_entries);
+
 struct domain_stats {
   std::uint64_t completions = 0;     // work completions reaped
   std::uint64_t cq_events = 0;       // completion-channel wake-ups
