@@ -24,6 +24,8 @@ class category final : public std::error_category {
       case errc::wire_version_mismatch: return "the peer speaks another version of shuttle's wire protocol";
       case errc::operation_timeout: return "operation timed out (with_timeout): it was cancelled";
       case errc::no_io_context: return "no io_context on this thread (create one, or run inside a runtime)";
+      case errc::unregistered_device_memory:
+        return "unregistered GPU memory the NIC cannot reach (no dma-buf, no peer memory): register it first";
     }
     return "unknown shuttle error " + std::to_string(c);
   }

@@ -35,6 +35,10 @@ enum class errc {
   // Called on a thread without an io_context (domain::open, listen,
   // tcp_listener::bind): create one, or run inside a runtime.
   no_io_context,
+  // GPU memory that no registration covers, passed to a verbs operation,
+  // that the NIC cannot reach (no dma-buf export, no peer-memory module):
+  // register it (cuda::gpu_registry) or copy it to host memory first.
+  unregistered_device_memory,
 };
 
 const std::error_category& shuttle_category() noexcept;

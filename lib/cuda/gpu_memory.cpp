@@ -8,9 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 
-#if defined(SHUTTLE_HAVE_VERBS) && defined(SHUTTLE_HAVE_VERBS_DMABUF)
 #include <shuttle/verbs/verbs.hpp>
-#endif
 
 namespace shuttle::cuda {
 
@@ -130,6 +128,38 @@ std::uint64_t buffer_id_of(const void* dev) {
     return 0;
   return id;
 }
+
+// The verbs provider's view of device memory (verbs::device_memory_hooks),
+// installed when this layer is loaded: GPU memory that no registration
+// covers, passed to send/write/read, is registered through dma-buf or
+// peermem for that operation, or refused; never read by the CPU (inline,
+// staging) nor registered as host memory. Called only on the provider's
+// slow path and inline decision, never for registered memory.
+bool hook_is_device(const void* p, std::size_t) noexcept {
+  auto& d = detail::driver();
+  if (!d.pointer_get_attribute) return false;  // no driver: no device memory
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  unsigned int type = 0;
+  if (d.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) != CUDA_SUCCESS) return false;
+  if (type != CU_MEMORYTYPE_DEVICE) return false;
+  unsigned int managed = 0;  // managed memory is the CPU's to read too (it migrates)
+  return d.pointer_get_attribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr) != CUDA_SUCCESS || !managed;
+}
+int hook_export_dmabuf(const void* p, std::size_t len, std::uint64_t* offset) noexcept {
+  auto fd = export_dmabuf(p, len, offset);
+  return fd ? *fd : -1;
+}
+bool hook_peermem() noexcept {
+  try {
+    return peermem_loaded();
+  } catch (...) {
+    return false;
+  }
+}
+const verbs::device_memory_hooks verbs_hooks{&hook_is_device, &hook_export_dmabuf, &hook_peermem};
+struct hooks_installer {
+  hooks_installer() noexcept { verbs::set_device_memory_hooks(&verbs_hooks); }
+} install_verbs_hooks;
 }  // namespace
 
 result<gpu_registration> gpu_registry::register_memory(const void* dev, std::size_t len, unsigned access_flags) {
@@ -179,8 +209,9 @@ result<gpu_registration> gpu_registry::register_uncached(const void* dev, std::s
 #endif
   // 2. nvidia-peermem
   if (peermem_loaded()) {
-    auto mr = d_->register_memory(std::span<std::byte>(static_cast<std::byte*>(const_cast<void*>(dev)), len),
-                                  access_flags);
+    // Flagged device memory: never sent inline (the CPU must not read it).
+    auto mr = verbs::register_device_memory(
+        *d_, std::span<std::byte>(static_cast<std::byte*>(const_cast<void*>(dev)), len), access_flags);
     if (mr) {
       reg.path = gpu_path::peermem;
       reg.region = std::move(*mr);

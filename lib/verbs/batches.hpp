@@ -88,7 +88,7 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
     std::size_t end = first;
     std::uint32_t credits_taken = 0;
     while (end < wrs.size() && end - first < opts.send_queue_depth) {
-      if (!sq.try_acquire()) {
+      if (!take_send_slot()) {
         if (end > first) break;
         if (auto r = co_await sq.acquire(); !r) {
           early = r.error();

@@ -4,6 +4,8 @@
 
 #include <endian.h>
 
+#include <atomic>
+
 #include <cstdio>
 #include <cstring>
 
@@ -46,6 +48,17 @@ const std::error_category& category() noexcept {
   return c;
 }
 std::error_code make_wc_error(int status) noexcept { return {status, category()}; }
+
+// Constant-initialized: a GPU layer's static initializer may install hooks
+// before any other code of this library has run.
+std::atomic<const device_memory_hooks*> installed_hooks{nullptr};
+
+const device_memory_hooks* set_device_memory_hooks(const device_memory_hooks* h) noexcept {
+  return installed_hooks.exchange(h, std::memory_order_acq_rel);
+}
+const device_memory_hooks* installed_device_memory_hooks() noexcept {
+  return installed_hooks.load(std::memory_order_acquire);
+}
 
 #ifdef SHUTTLE_HAVE_VERBS
 result<std::vector<device_info>> list_devices() {

@@ -75,7 +75,9 @@ result<void> conn_state::create_qp() {
   // Plain: all of them (a plain peer is told of none, it just sends).
   user_slots = srq_grant || plain ? opts.receive_buffers : std::min(opts.receive_buffers, initial_receives);
   const std::uint32_t posted_now = srq_grant ? n : user_slots + ctrl_reserve;
-  const int want_cq = static_cast<int>(opts.send_queue_depth + ctrl_reserve + 1 + posted_now);
+  // Send slots: a few now, more as they are used (grow_send).
+  sq_granted = std::min(opts.send_queue_depth, initial_send_slots);
+  const int want_cq = static_cast<int>(sq_granted + ctrl_reserve + 1 + posted_now);
   if (!dom->reserve_cq(want_cq)) return make_error_code(std::errc::no_buffer_space);
   cq_reserve = want_cq;
 
@@ -115,7 +117,7 @@ result<void> conn_state::create_qp() {
   qp_num = qp->qp_num;
   refresh_usable();
   max_inline = std::min(a.cap.max_inline_data, opts.max_inline_data);
-  sq.release(opts.send_queue_depth);
+  sq.release(sq_granted);
   dom->qp_conns[qp_num] = this;
 
   if (srq_grant) {  // the SRQ's buffers, already posted (srq_join)
@@ -126,6 +128,7 @@ result<void> conn_state::create_qp() {
     pool = new recv_pool;
     pool->pd = dom->pdh;
     pool->conn = this;
+    pool->home = dom;
     pool->slot_size = opts.receive_buffer_size;
     if (auto r = pool->grow(posted_now, &on_recv_wc); !r) return r.error();
     for (std::uint32_t i = 0; i < posted_now; ++i)

@@ -65,6 +65,24 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   }
 
   semaphore sq{0};
+  // Send-queue slots whose completions the shared CQ has room for: a few at
+  // connect, doubled (up to send_queue_depth) when an operation finds none
+  // free and the CQ can reserve more; else this connection waits for its
+  // own completions and no other connection is refused.
+  static constexpr std::uint32_t initial_send_slots = 4;
+  std::uint32_t sq_granted = 0;
+  [[gnu::noinline]] bool grow_send() noexcept {
+    const std::uint32_t add = std::min(sq_granted, opts.send_queue_depth - sq_granted);
+    if (add == 0 || !usable() || !dom->reserve_cq(static_cast<int>(add))) return false;
+    cq_reserve += static_cast<int>(add);
+    sq_granted += add;
+    sq.release(add);
+    return true;
+  }
+  // A free send-queue slot, granting more if none is.
+  [[gnu::always_inline]] bool take_send_slot() noexcept {
+    return sq.try_acquire() || (sq_granted < opts.send_queue_depth && grow_send() && sq.try_acquire());
+  }
   semaphore credits{0};
   std::uint32_t srq_grant = 0;  // SRQ: the receives this connection accounts for in the SRQ
   std::uint32_t qp_num = 0;
@@ -317,7 +335,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
     wr.num_sge = msg.empty() ? 0 : 1;
     const std::uint32_t credits_back = std::min<std::uint32_t>(to_return, 0xffff);  // piggybacked
     wr.imm_data = htonl(credits_back);
-    const bool settles = unsignaled + 1 >= settle_every;
+    // Settles too when it takes the last free slot: the unsignaled sends'
+    // slots come back only through a settling WR.
+    const bool settles = unsignaled + 1 >= settle_every || sq.available() == 0;
     wr.send_flags = settles ? IBV_SEND_INLINE | IBV_SEND_SIGNALED : IBV_SEND_INLINE;
     wr.wr_id = settles ? reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(&settle)) : 0;
     ibv_send_wr* bad = nullptr;

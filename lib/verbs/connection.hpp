@@ -115,6 +115,10 @@ class verbs_connection final : public connection_impl {
     atomic(out, remote, IBV_WR_ATOMIC_FETCH_AND_ADD, add, 0);
   }
 
+  // A one-sided transfer is at most 2^31 bytes (docs/transport-semantics.md
+  // "Sizes"), checked before anything is posted or registered.
+  static constexpr bool too_long_to_transfer(std::size_t n) noexcept { return n > (std::size_t(1) << 31); }
+
   // One operation's WR and local sge, as post_batch and prepare build them:
   // the opcode, the remote side, the immediate. `credit`: it consumes a
   // receive on the peer. The registration, if any, is local_sge's.
@@ -147,7 +151,7 @@ class verbs_connection final : public connection_impl {
         break;
       default: return std::make_error_code(std::errc::invalid_argument);
     }
-    if (o.local.size() > (std::size_t(1) << 31)) return make_error_code(errc::message_too_long);
+    if (too_long_to_transfer(o.local.size())) return make_error_code(errc::message_too_long);
     return s->local_sge(o.local, need_write, may_inline, wr, sge, may_stage);
   }
 
@@ -437,6 +441,7 @@ class verbs_connection final : public connection_impl {
   [[gnu::always_inline]] void rdma(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
                                    ibv_wr_opcode opcode, std::uint32_t imm, bool credit) {
     conn_state* s = s_.get();
+    if (too_long_to_transfer(local.size())) return out.set_result(make_error_code(errc::message_too_long));
     auto& st = out.emplace<posted_state<void>>(s, opcode, credit && !s->plain, false);
     ibv_send_wr& wr = st.op.wr;
     wr.wr.rdma.remote_addr = remote.address;

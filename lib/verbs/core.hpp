@@ -4,6 +4,12 @@
 
 #include "recv_pool.hpp"
 
+#include <atomic>
+
+namespace shuttle::verbs {
+extern std::atomic<const device_memory_hooks*> installed_hooks;  // common.cpp
+}
+
 namespace shuttle::detail::verbs_impl {
 
 // ------------------------------------------------------------------ core
@@ -16,6 +22,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   ibv_cq* cq = nullptr;
   int cq_size = 0;
   int cq_reserved = 0;
+  int cq_limit = 0;  // reservations never pass it: the device's max_cqe, or verbs::limit_cq_entries
   ibv_device_attr dattr{};
   std::uint32_t max_msg = 0;  // the port's max_msg_sz: the largest buffer size a peer may announce
   std::uint8_t port = 1;
@@ -41,7 +48,7 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // cached: other memory is staged or registered per operation (transient).
   std::multimap<std::uintptr_t, std::weak_ptr<verbs_region>> user_regs;
   std::uint64_t reg_seq = 0;
-  std::size_t device_registrations = 0;  // dma-buf registrations ever made
+  std::size_t device_registrations = 0;  // device-memory registrations ever made (dma-buf, peermem)
   std::shared_ptr<staging_pool> staging;  // made on first use
   // The staging lease or transient registration that find_region made for
   // the operation being built: the operation takes it (take_hold) and holds
@@ -69,6 +76,42 @@ struct core final : poller, std::enable_shared_from_this<core> {
   std::vector<conn_state*> repost_conns;  // connections with released buffers
   std::vector<recv_slot*> srq_released;   // SRQ buffers released
   void flush_reposts() noexcept;
+
+  // The receive pools' slabs by address: a send from the bytes of a
+  // received message the application holds (an echo) is posted from the
+  // slab's MR, the buffer held until the send completes (hold_rx_slot).
+  struct rx_slab {
+    std::uintptr_t end;
+    recv_pool* pool;
+    verbs_region* region;
+    std::uint32_t first, count;  // the slab's slots in pool->slots
+  };
+  std::map<std::uintptr_t, rx_slab> rx_slabs;
+  // Deleter of hold_rx_slot's hold: the buffer's reader count goes down,
+  // and a buffer released meanwhile goes back to its queue (core.cpp).
+  struct rx_slot_hold {
+    recv_pool* pool;
+    recv_slot* slot;
+    void operator()(verbs_region*) const noexcept;
+  };
+  // When [a, a+len) lies in one receive buffer: its slab's region, the
+  // buffer held for the operation (op_owned). Else null.
+  verbs_region* hold_rx_slot(std::uintptr_t a, std::size_t len) {
+    auto it = rx_slabs.upper_bound(a);
+    if (it == rx_slabs.begin()) return nullptr;
+    --it;
+    const rx_slab& sl = it->second;
+    if (a >= sl.end) return nullptr;
+    const std::size_t idx = (a - it->first) / sl.pool->slot_size;
+    if (idx >= sl.count) return nullptr;  // the slab's rounding past its last buffer
+    recv_slot& slot = sl.pool->slots[sl.first + idx];
+    if (len > reinterpret_cast<std::uintptr_t>(slot.addr) + sl.pool->slot_size - a) return nullptr;
+    ++slot.readers;
+    ++sl.pool->refs;
+    op_owned = std::shared_ptr<verbs_region>(sl.region, rx_slot_hold{sl.pool, &slot});
+    ++st.receive_buffer_sends;
+    return sl.region;
+  }
 
   ~core() override {
     if (loop) loop->backend().remove_poller(*this);
@@ -179,9 +222,10 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // if it can; false when they do not fit (that connection is refused or
   // stops growing, the others keep theirs).
   bool reserve_cq(int n) noexcept {
+    if (n > cq_limit - cq_reserved) return false;
     if (cq_reserved + n > cq_size) {
-      int want = std::min(dattr.max_cqe, std::max(cq_size * 2, cq_reserved + n));
-      if (want < cq_reserved + n || ibv_resize_cq(cq, want) != 0) return false;
+      int want = std::min(cq_limit, std::max(cq_size * 2, cq_reserved + n));
+      if (ibv_resize_cq(cq, want) != 0) return false;
       cq_size = cq->cqe;
     }
     cq_reserved += n;
@@ -245,12 +289,32 @@ struct core final : poller, std::enable_shared_from_this<core> {
   }
 #endif
 
-  // True when `mem` lies in a registration of device memory.
-  bool in_device_memory(std::span<const std::byte> mem) {
-    if (device_registrations == 0) return false;  // host-only domains skip the lookup
-    auto sp = find_cover(user_regs, reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), false);
-    return sp && sp->device_memory;
+  // Device memory the NIC reaches through a peer-memory module (nvidia_peermem):
+  // ibv_reg_mr on the device pointer, flagged so that it is never sent
+  // inline (the CPU would read it).
+  result<memory_region> register_device_memory(std::span<std::byte> mem, unsigned flags) {
+    auto r = reg(mem, flags);
+    if (!r) return r.error();
+    (*r)->device_memory = true;
+    ++device_registrations;
+    add_user_region(*r);
+    return memory_region(*r);
   }
+
+  // True when `mem` is device memory (the inline decision: the CPU would
+  // read it): a registration of device memory covers it, else the GPU
+  // layer's hooks say so (verbs::device_memory_hooks). Host-only domains
+  // without hooks skip the lookup.
+  bool in_device_memory(std::span<const std::byte> mem) {
+    const auto* h = verbs::installed_hooks.load(std::memory_order_acquire);
+    if (device_registrations == 0 && (!h || !h->is_device_memory)) return false;
+    return device_memory_slow(mem, h);
+  }
+  bool device_memory_slow(std::span<const std::byte> mem, const verbs::device_memory_hooks* h);
+  // Device memory no registration covers, registered for one operation
+  // through the GPU layer's hooks (dma-buf, else peer memory), or refused.
+  result<verbs_region*> device_region(std::span<const std::byte> mem, bool need_write,
+                                      const verbs::device_memory_hooks& h);
 
   // Every call registers anew, as ibv_reg_mr does: an earlier region of the
   // same range may describe pages that are no longer mapped there (its
@@ -303,7 +367,8 @@ struct core final : poller, std::enable_shared_from_this<core> {
     }
     return find_region(mem, need_write, may_stage, sge);
   }
-  // local_region past the last registration: a user registration covering
+  // local_region past the last registration: a receive buffer holding
+  // `mem` (a send of received bytes), else a user registration covering
   // `mem`, else (memory the library cannot watch) a staging slot that the
   // bytes are copied into now (sge then points at it; `may_stage`: a send
   // or write source whose bytes may be taken now), else a registration for
@@ -312,11 +377,17 @@ struct core final : poller, std::enable_shared_from_this<core> {
   [[gnu::noinline]] result<verbs_region*> find_region(std::span<const std::byte> mem, bool need_write, bool may_stage,
                                                       ibv_sge& sge) {
     auto a = reinterpret_cast<std::uintptr_t>(mem.data());
+    if (!need_write && !rx_slabs.empty())
+      if (verbs_region* r = hold_rx_slot(a, mem.size())) return r;
     if (auto sp = find_cover(user_regs, a, mem.size(), need_write)) {
       ++st.cache_hits;
       remember(sp);
       return sp.get();
     }
+    // Neither copied by the CPU nor registered as host memory.
+    if (const auto* h = verbs::installed_hooks.load(std::memory_order_acquire);
+        h && h->is_device_memory && h->is_device_memory(mem.data(), mem.size()))
+      return device_region(mem, need_write, *h);
     if (may_stage && !need_write && mem.size() <= staging_slot_size) {
       if (auto lease = stage(mem)) {
         sge.addr = reinterpret_cast<std::uintptr_t>(staging->mem) + std::uintptr_t(lease->slot) * staging_slot_size;

@@ -78,6 +78,7 @@ result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opt
   c->cq = ibv_create_cq(c->ctx, c->cq_size, nullptr, c->channel, 0);
   if (!c->cq) return last_errno();
   c->cq_size = c->cq->cqe;
+  c->cq_limit = c->dattr.max_cqe;
   if (auto* loop = io_context::current_or_null()) {
     (void)loop;
     c->attach();
@@ -88,6 +89,15 @@ result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opt
 }  // namespace shuttle::detail
 
 namespace shuttle::verbs {
+
+result<void> limit_cq_entries(domain& d, int max_entries) {
+  auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
+  if (!v) return make_error_code(errc::not_supported);
+  if (max_entries <= 0) return std::make_error_code(std::errc::invalid_argument);
+  auto& c = v->get();
+  c.cq_limit = std::min(max_entries, c.dattr.max_cqe);
+  return {};
+}
 
 result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget) {
   auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
@@ -100,6 +110,12 @@ result<domain_stats> stats(const domain& d) {
   auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
   if (!v) return make_error_code(errc::not_supported);
   return v->get().st;
+}
+
+result<memory_region> register_device_memory(domain& d, std::span<std::byte> mem, unsigned access_flags) {
+  auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
+  if (!v) return make_error_code(errc::not_supported);
+  return v->get().register_device_memory(mem, access_flags);
 }
 
 result<memory_region> register_dmabuf(domain& d, int fd, std::uint64_t offset, std::size_t length,

@@ -69,7 +69,7 @@ struct conn_state::op_wait : wr_ctx {
 // now (the semaphores are FIFO: this never overtakes a waiter).
 inline bool conn_state::try_reserve(bool credit) noexcept {
   if (ordered_waiting > 0) return false;  // an operation that waited posts first
-  if (!sq.try_acquire()) return false;
+  if (!take_send_slot()) return false;
   if (credit && !credits.try_acquire()) {
     sq.release();
     return false;
@@ -216,7 +216,8 @@ inline task<result<std::uint64_t>> conn_state::execute(ibv_send_wr wr, ibv_sge s
   ordered_turn turn(this);
   auto order = co_await post_order.lock();
   if (!order) co_return order.error();
-  if (auto r = co_await sq.acquire(); !r) co_return r.error();
+  if (!take_send_slot())
+    if (auto r = co_await sq.acquire(); !r) co_return r.error();
   if (credit) {
     if (auto r = co_await credits.acquire(); !r) {
       sq.release();

@@ -14,6 +14,11 @@ struct recv_slot : wr_ctx {
   std::byte* addr = nullptr;
   std::uint32_t lkey = 0;
   std::uint32_t qp_num = 0;  // SRQ: the QP that consumed it (its connection gets the credit back)
+  // Sends posted from this buffer's bytes (core::hold_rx_slot), not completed
+  // yet: a buffer released meanwhile is posted again only after the last
+  // (the NIC must not receive into bytes it is still sending).
+  std::uint32_t readers = 0;
+  bool release_deferred = false;
 };
 
 // Receive buffers: a connection's own (conn set) or the SRQ's of a core
@@ -26,13 +31,12 @@ struct recv_pool {
   std::vector<std::pair<std::byte*, ibv_mr*>> slabs;
   std::deque<recv_slot> slots;  // stable addresses: a posted receive's wr_id names its slot
   std::size_t refs = 1;
+  // The core whose rx_slabs name this pool's slabs, so that a send from a
+  // received message's bytes is posted from the slab's MR (find_region).
+  std::weak_ptr<core> home;
+  std::vector<std::shared_ptr<verbs_region>> slab_regions;  // lkey views of slabs' MRs (owning nothing)
 
-  ~recv_pool() {
-    for (auto& [b, mr] : slabs) {
-      if (mr) ibv_dereg_mr(mr);
-      std::free(b);
-    }
-  }
+  ~recv_pool();  // core.cpp
   void unref() noexcept {
     if (--refs == 0) delete this;
   }
@@ -46,6 +50,7 @@ struct recv_pool {
     if (!mr) return last_errno();
     slabs.back().second = mr;
     auto first = static_cast<std::uint32_t>(slots.size());
+    if (!note_slab(buf, n, first, mr)) return make_error_code(std::errc::not_enough_memory);
     for (std::uint32_t i = 0; i < n; ++i) {
       recv_slot& sl = slots.emplace_back();
       sl.pool = this;
@@ -55,7 +60,11 @@ struct recv_pool {
     }
     return first;
   }
+  // Tells the home core of a new slab (core.cpp); false: out of memory.
+  bool note_slab(std::byte* buf, std::uint32_t n, std::uint32_t first, ibv_mr* mr) noexcept;
   static void release(void* owner, std::uint64_t slot) noexcept;
+  // A released buffer goes back to its receive queue (a connection's or the SRQ).
+  void give_back(recv_slot& s) noexcept;
 };
 
 // The receive work request of a slot: its whole buffer, wr_id naming the slot.

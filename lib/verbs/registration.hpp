@@ -40,7 +40,7 @@ struct pd_holder {
 
 struct verbs_region final : region_impl, std::enable_shared_from_this<verbs_region> {
   ibv_mr* mr = nullptr;
-  bool device_memory = false;  // dma-buf (GPU) memory: the CPU must not read it, so never inline
+  bool device_memory = false;  // GPU memory (dma-buf, peermem): the CPU must not read it, so never inline
   std::shared_ptr<pd_holder> pd;
   std::uint64_t seq = 0;  // creation order: the newest covering user registration wins
   ~verbs_region() override {

@@ -3,6 +3,9 @@
 
 #include "common.hpp"
 
+#include <shuttle/cuda/gpu_memory.hpp>
+#include <shuttle/verbs/verbs.hpp>
+
 #include <unistd.h>
 
 #include <vector>
@@ -114,4 +117,22 @@ TEST_CASE("a registration of freed device memory is not returned for a new alloc
   std::vector<std::byte> host(4096);
   REQUIRE(reg.register_memory(host.data(), host.size(), acc).has_value());
   CHECK(reg.size() == (again == first ? 1u : 0u));
+}
+
+// lib/cuda installs the verbs provider's device-memory hooks when it is
+// loaded (verbs::device_memory_hooks): cudaMalloc'd memory is device
+// memory; host and managed memory (the CPU may read both) are not.
+TEST_CASE("the verbs device-memory hooks tell device memory from host and managed memory") {
+  const auto* h = verbs::installed_device_memory_hooks();
+  REQUIRE(h != nullptr);
+  const bool all_set = h->is_device_memory && h->export_dmabuf && h->peermem;
+  REQUIRE(all_set);
+  cuda::device_buffer buf(1 << 20);
+  CHECK(h->is_device_memory(buf.data(), buf.size()));
+  std::vector<std::byte> host(4096);
+  CHECK_FALSE(h->is_device_memory(host.data(), host.size()));
+  void* managed = nullptr;
+  REQUIRE(cudaMallocManaged(&managed, 4096) == cudaSuccess);
+  CHECK_FALSE(h->is_device_memory(managed, 4096));
+  cudaFree(managed);
 }

@@ -9,6 +9,7 @@
 
 #include <dirent.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -720,6 +721,38 @@ TEST_CASE("post_batch: an oversize send is refused before anything is posted") {
     CHECK(std::all_of(region.begin(), region.end(), [](std::byte b) { return b == std::byte{0}; }));
     CHECK(p.client.is_open());
     CHECK((co_await p.client.post_batch(std::span(ops).first(1))).has_value());
+    CHECK(std::memcmp(region.data(), small.data(), 100) == 0);
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("write/read over 2^31 bytes fail with message_too_long; the connection stays usable") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    std::vector<std::byte> region(4096);
+    auto mr = p.server_domain->register_memory(region, access::all).value();
+    // Address space only (PROT_NONE, no reserve): the length must be
+    // refused before any byte is touched, registered or posted.
+    const std::size_t too_long = (std::size_t(1) << 31) + 1;
+    const std::size_t map_len = (std::size_t(1) << 31) + 4096;
+    void* va = ::mmap(nullptr, map_len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    REQUIRE(va != MAP_FAILED);
+    std::span<std::byte> huge(static_cast<std::byte*>(va), too_long);
+    remote_buffer far = mr.remote(0, 4096);
+    far.length = too_long;
+    auto w = co_await p.client.write(huge, far);
+    REQUIRE_FALSE(w.has_value());
+    CHECK(is_error(w.error(), errc::message_too_long));
+    auto r = co_await p.client.read(huge, far);
+    REQUIRE_FALSE(r.has_value());
+    CHECK(is_error(r.error(), errc::message_too_long));
+    ::munmap(va, map_len);
+    CHECK(std::all_of(region.begin(), region.end(), [](std::byte b) { return b == std::byte{0}; }));
+    CHECK(p.client.is_open());
+    auto small = pattern(100, 3);
+    CHECK((co_await p.client.write(small, mr.remote(0, 100))).has_value());
     CHECK(std::memcmp(region.data(), small.data(), 100) == 0);
     co_await close_pair(p);
   }());

@@ -14,8 +14,11 @@
 //
 // Pitfalls this layer keeps (and its users must):
 //  - no inline sends from GPU memory: an inline send makes the CPU copy the
-//    payload (it would read device memory through a host pointer); connections
-//    that send from GPU memory use connection_options::max_inline_data = 0;
+//    payload (it would read device memory through a host pointer); the verbs
+//    provider refuses inline for this registry's regions (dma-buf and peermem);
+//    unregistered GPU memory passed to a verbs operation is told apart by the
+//    hooks this layer installs (verbs::device_memory_hooks): registered for
+//    that operation (dma-buf, else peermem) or refused, never read by the CPU;
 //  - a GPU-side receiver learns of arrival from the write_with_imm completion
 //    (the loop), never by polling GPU memory: a NIC's writes may be seen out
 //    of order by a polling kernel;

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -71,6 +73,17 @@ std::error_code make_wc_error(int ibv_wc_status) noexcept;
 // errc::not_supported for a non-verbs domain.
 result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget);
 
+// The domain's connections share one CQ; each reserves entries in it for
+// what it may have outstanding: at connect a few send-queue slots and the
+// receives it posts, then more as it uses them (send slots and receives
+// double up to the connection's options). A connection that does not fit
+// is refused (connect/accept: std::errc::no_buffer_space) or stops growing
+// and waits for its own completions; the others keep theirs. The CQ grows
+// with ibv_resize_cq up to the device's max_cqe, or up to `max_entries`
+// (a bound on the CQ's memory; reservations made already stay).
+// errc::not_supported for a non-verbs domain.
+result<void> limit_cq_entries(domain& d, int max_entries);
+
 struct domain_stats {
   std::uint64_t completions = 0;     // work completions reaped
   std::uint64_t cq_events = 0;       // completion-channel wake-ups
@@ -81,6 +94,9 @@ struct domain_stats {
   // or registered for that operation alone.
   std::uint64_t staged = 0;
   std::uint64_t transient_registrations = 0;
+  // Sends and writes from the bytes of a received message the application
+  // holds (an echo): posted from the receive buffer's own registration.
+  std::uint64_t receive_buffer_sends = 0;
   std::size_t live_connections = 0;  // QPs not destroyed yet (incl. draining)
   // Listeners of the domain (listener_options): requests refused at once (a
   // cap, a bad hello, no resources), handshakes dropped at their deadline,
@@ -102,5 +118,36 @@ result<domain_stats> stats(const domain& d);
 // NIC or kernel cannot.
 result<memory_region> register_dmabuf(domain& d, int fd, std::uint64_t offset, std::size_t length,
                                       std::uint64_t iova, unsigned access_flags);
+
+// Registers device (GPU) memory that the NIC reaches through a peer-memory
+// module (nvidia_peermem: ibv_reg_mr on the device pointer). As for
+// register_dmabuf, the provider never sends inline from it (the CPU must not
+// read it), so connection_options::max_inline_data need not be 0.
+// errc::not_supported on a non-verbs domain. cuda::gpu_registry uses it.
+result<memory_region> register_device_memory(domain& d, std::span<std::byte> mem, unsigned access_flags);
+
+// How the verbs provider tells device (GPU) memory from host memory without
+// a CUDA call of its own: a GPU layer installs these (lib/cuda does, when
+// CUDA is present). They are consulted only for memory that no registration
+// covers (an operation's slow path) and for the inline-send decision, never
+// for registered memory. Device memory found there is registered for that
+// operation alone through a dma-buf (export_dmabuf), else through a
+// peer-memory module (peermem), and flagged so the CPU never reads it
+// (no inline, no staging copy); with neither, the operation fails with
+// errc::unregistered_device_memory. Every member may be null.
+struct device_memory_hooks {
+  // True when [p, p+len) is device memory the CPU cannot read.
+  bool (*is_device_memory)(const void* p, std::size_t len) noexcept = nullptr;
+  // A dma-buf fd covering [p, p+len) and p's offset in it (the caller closes
+  // the fd), or -1.
+  int (*export_dmabuf)(const void* p, std::size_t len, std::uint64_t* offset) noexcept = nullptr;
+  // True when ibv_reg_mr on a device pointer reaches device memory
+  // (nvidia_peermem loaded).
+  bool (*peermem)() noexcept = nullptr;
+};
+// Installs `h` for every verbs domain (kept by pointer: a static object;
+// null removes it). Returns the one installed before.
+const device_memory_hooks* set_device_memory_hooks(const device_memory_hooks* h) noexcept;
+const device_memory_hooks* installed_device_memory_hooks() noexcept;
 
 }  // namespace shuttle::verbs
