@@ -53,9 +53,10 @@ struct file_options {
   // uring: read and write with O_DIRECT where the file system allows it.
   bool direct = true;
   // uring: the bounce buffers, `depth` of `chunk_size` bytes each (a
-  // multiple of 4 KiB), pinned and registered on the first transfer.
-  std::size_t chunk_size = std::size_t{4} << 20;
-  unsigned depth = 8;
+  // multiple of 4 KiB), pinned and registered on the first transfer. Large
+  // requests matter more than many (docs/gpu-file.md, the 2026-12-06 sweep).
+  std::size_t chunk_size = std::size_t{16} << 20;
+  unsigned depth = 4;
 };
 
 class gpu_file {
