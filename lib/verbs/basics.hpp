@@ -15,7 +15,8 @@
 //    whose fd the loop watches; receive pool kept posted; send-queue slots and
 //    receive credits as loop-local semaphores; a dying state stays in the
 //    core's graveyard until every posted WR came back (flushed), so no work
-//    completion ever names freed memory.
+//    completion ever names freed memory. Its receive side (completions,
+//    buffers released and reposted) is in receive.cpp.
 //  - operations (operations.hpp): one signaled WR each, whose wr_id is a wr_ctx kept in the
 //    awaiting frame (connection_op.hpp); the awaiter resumes (through
 //    io_context::post) when its completion is reaped. Inline sends instead
@@ -38,6 +39,8 @@
 //    that completion. Unsignaled WRs name the chunk's `early` context, which
 //    only ever sees error/flush completions (they come before the chunk's
 //    signaled one, RC completes in order).
+//  - the connection (connection.hpp: the connection_impl; grant.hpp: its
+//    memory windows) and the listener (listener.hpp).
 #pragma once
 
 #include "../spin_clock.hpp"
