@@ -143,6 +143,16 @@ void conn_state::finish_payload(const header& h) {
   wake_writer();
 }
 
+namespace {
+// A non-blocking read that returned `n` <= 0 (not EINTR): EOF or an error
+// ends the connection's reading; nothing (EAGAIN) means wait for more.
+std::error_code read_ended(ssize_t n) noexcept {
+  if (n == 0) return err(errc::eof);
+  if (errno != EAGAIN && errno != EWOULDBLOCK) return errno_code(errno);
+  return {};
+}
+}  // namespace
+
 // Takes what the socket already holds with a plain non-blocking recv
 // straight into `buf` (still no user-space copy): a frame's payload, and
 // often the next header, are there by the time its header is parsed, and a
@@ -156,9 +166,8 @@ result<std::size_t> conn_state::recv_now(std::span<std::byte> buf) {
       got += static_cast<std::size_t>(n);
       continue;
     }
-    if (n == 0) return err(errc::eof);
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return errno_code(errno);
+    if (n < 0 && errno == EINTR) continue;
+    if (auto ec = read_ended(n)) return ec;
     break;
   }
   return got;
@@ -198,9 +207,8 @@ result<std::size_t> conn_state::take_now(std::span<std::byte> buf) {
       if (u > want) ahead_end = u - want;
       continue;
     }
-    if (n == 0) return err(errc::eof);
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return errno_code(errno);
+    if (n < 0 && errno == EINTR) continue;
+    if (auto ec = read_ended(n)) return ec;
     break;
   }
   return got;
