@@ -461,7 +461,10 @@ TEST_CASE("hostile peers on the Unix socket: garbage, bad descriptors; refused, 
          for (int f : {m, sp[0], sp[1]}) ::close(f);
        }},
   };
-  for (auto& [what, body] : attacks) {
+  for (auto& entry : attacks) {
+    // Not a structured binding: clang 14 cannot capture one (CAPTURE, lambdas).
+    const char* what = entry.first;
+    const attack& body = entry.second;
     CAPTURE(what);
     const auto refused_before = log->why.size();
     std::thread t([&, body = body] {
@@ -500,7 +503,10 @@ TEST_CASE("hostile peer on the service channel: garbage or an unasked answer fai
          send_fds(sfd, q, {0});
        }},
   };
-  for (auto& [what, body] : attacks) {
+  for (auto& entry : attacks) {
+    // Not a structured binding: clang 14 cannot capture one (CAPTURE, lambdas).
+    const char* what = entry.first;
+    const attack& body = entry.second;
     CAPTURE(what);
     io_context ctx;
     auto sd = domain::open(local_options()).value();
