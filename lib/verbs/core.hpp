@@ -3,6 +3,7 @@
 #pragma once
 
 #include "recv_pool.hpp"
+#include "staging.hpp"
 
 #include <atomic>
 
@@ -388,11 +389,14 @@ struct core final : poller, std::enable_shared_from_this<core> {
     if (const auto* h = verbs::installed_hooks.load(std::memory_order_acquire);
         h && h->is_device_memory && h->is_device_memory(mem.data(), mem.size()))
       return device_region(mem, need_write, *h);
-    if (may_stage && !need_write && mem.size() <= staging_slot_size) {
-      if (auto lease = stage(mem)) {
-        sge.addr = reinterpret_cast<std::uintptr_t>(staging->mem) + std::uintptr_t(lease->slot) * staging_slot_size;
+    if (may_stage && !need_write && mem.size() <= staging_max) {
+      if (!staging) staging = std::make_shared<staging_pool>();
+      if (auto lease = staging->take(mem.size(), [this](std::span<std::byte> m) { return reg(m, 0); })) {
+        std::memcpy(lease->addr, mem.data(), mem.size());
+        ++st.staged;
+        sge.addr = reinterpret_cast<std::uintptr_t>(lease->addr);
         op_owned = std::move(lease->hold);
-        return staging->region.get();
+        return lease->region;
       }
     }
     std::span<std::byte> m(const_cast<std::byte*>(mem.data()), mem.size());
@@ -402,34 +406,6 @@ struct core final : poller, std::enable_shared_from_this<core> {
     ++st.transient_registrations;
     op_owned = std::move(*r);
     return op_owned.get();
-  }
-  struct staging_lease {
-    std::uint32_t slot;
-    std::shared_ptr<verbs_region> hold;
-  };
-  // `mem` copied into a free staging slot, if one is (the pool is made and
-  // registered on first use).
-  std::optional<staging_lease> stage(std::span<const std::byte> mem) {
-    if (!staging) {
-      const std::size_t bytes = std::size_t(staging_slots) * staging_slot_size;
-      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) return std::nullopt;
-      auto pool = std::make_shared<staging_pool>();
-      pool->mem = static_cast<std::byte*>(p);
-      auto r = reg({pool->mem, bytes}, 0);
-      if (!r) return std::nullopt;  // the pool unmaps its pages
-      pool->region = std::move(*r);
-      pool->free_slots.reserve(staging_slots);
-      for (std::uint32_t i = staging_slots; i > 0; --i) pool->free_slots.push_back(i - 1);
-      staging = std::move(pool);
-    }
-    if (staging->free_slots.empty()) return std::nullopt;
-    const std::uint32_t slot = staging->free_slots.back();
-    staging->free_slots.pop_back();
-    std::memcpy(staging->mem + std::size_t(slot) * staging_slot_size, mem.data(), mem.size());
-    ++st.staged;
-    // The slab's region, held as a lease: its deleter returns the slot.
-    return staging_lease{slot, std::shared_ptr<verbs_region>(staging->region.get(), staging_return{staging, slot})};
   }
   // A reference to what local_region returned, for an operation that waits.
   static std::shared_ptr<verbs_region> hold(verbs_region* r) { return r ? r->shared_from_this() : nullptr; }

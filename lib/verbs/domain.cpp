@@ -109,7 +109,9 @@ result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget) {
 result<domain_stats> stats(const domain& d) {
   auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
   if (!v) return make_error_code(errc::not_supported);
-  return v->get().st;
+  domain_stats st = v->get().st;
+  if (const auto& pool = v->get().staging) st.staging_bytes = pool->registered_bytes();
+  return st;
 }
 
 result<memory_region> register_device_memory(domain& d, std::span<std::byte> mem, unsigned access_flags) {

@@ -18,15 +18,6 @@
 
 namespace shuttle::detail::verbs_impl {
 
-// Memory the library does not own (neither a live user registration nor its
-// own) is never registered for longer than one operation: nothing can tell
-// the library when such memory is unmapped (docs/memory-registration.md).
-// Send and write sources up to staging_slot_size are copied into a
-// registered staging slot; larger ones, read targets, and any operation
-// when every slot is taken, are registered for the operation alone.
-constexpr std::size_t staging_slot_size = 64 << 10;
-constexpr std::uint32_t staging_slots = 32;
-
 // Owns the device list reference and the PD; outlives every registration.
 struct pd_holder {
   ibv_context** devices = nullptr;
@@ -46,25 +37,6 @@ struct verbs_region final : region_impl, std::enable_shared_from_this<verbs_regi
   ~verbs_region() override {
     if (mr) ibv_dereg_mr(mr);
   }
-};
-
-// Registered slots, one domain's, that sends and writes from memory the
-// library does not own are copied into (see staging_slot_size). A slot is
-// leased to one operation and comes back when the operation's hold on it
-// (a shared_ptr with staging_return as deleter) goes.
-struct staging_pool {
-  std::byte* mem = nullptr;
-  std::shared_ptr<verbs_region> region;
-  std::vector<std::uint32_t> free_slots;  // capacity reserved: returning never allocates
-  ~staging_pool() {
-    region.reset();  // deregistered before the pages go
-    if (mem) ::munmap(mem, std::size_t(staging_slots) * staging_slot_size);
-  }
-};
-struct staging_return {
-  std::shared_ptr<staging_pool> pool;
-  std::uint32_t slot;
-  void operator()(verbs_region*) const noexcept { pool->free_slots.push_back(slot); }
 };
 
 // The access flags a registration gets for `flags`: remote write and

@@ -2,9 +2,11 @@
 // on regions that name no NIC memory: runs on any host.
 #include <doctest/doctest.h>
 
-#include "registration.hpp"
+#include "staging.hpp"
 
+#include <cstring>
 #include <map>
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -12,6 +14,7 @@ using namespace shuttle;
 using shuttle::detail::verbs_impl::find_cover;
 using shuttle::detail::verbs_impl::normalize_access;
 using shuttle::detail::verbs_impl::verbs_region;
+namespace vi = shuttle::detail::verbs_impl;
 
 namespace {
 
@@ -88,4 +91,95 @@ TEST_CASE("normalize_access: remote write and atomics bring local write; unknown
   CHECK(normalize_access(access::remote_write) == (access::remote_write | access::local_write));
   CHECK(normalize_access(access::remote_atomic) == (access::remote_atomic | access::local_write));
   CHECK(normalize_access(access::all | 0x100u) == access::all);
+}
+
+namespace {
+
+// Registers nothing: a region per chunk, with the chunk's bounds, counted.
+struct fake_registrar {
+  int calls = 0;
+  bool fail = false;
+  shuttle::result<std::shared_ptr<verbs_region>> operator()(std::span<std::byte> m) {
+    ++calls;
+    if (fail) return std::make_error_code(std::errc::not_enough_memory);
+    auto r = std::make_shared<verbs_region>();
+    r->addr = m.data();
+    r->length = m.size();
+    return r;
+  }
+};
+
+bool inside(const vi::staging_lease& l, std::size_t bytes) {
+  auto a = reinterpret_cast<std::uintptr_t>(l.addr), base = reinterpret_cast<std::uintptr_t>(l.region->addr);
+  return a >= base && a + bytes <= base + l.region->length;
+}
+
+}  // namespace
+
+TEST_CASE("staging_pool: size classes, slots inside their chunk, no two leases overlap") {
+  CHECK(vi::staging_class(1) == 0);
+  CHECK(vi::staging_class(4096) == 0);
+  CHECK(vi::staging_class(4097) == 1);
+  CHECK(vi::staging_class(65536) == 4);
+  auto pool = std::make_shared<vi::staging_pool>();
+  fake_registrar reg;
+  std::vector<vi::staging_lease> held;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> slots;  // address, slot size
+  // Depth 128 at 4 KiB and at 64 KiB: every operation gets a slot (the old
+  // pool had 32 and registered the rest per operation).
+  for (std::size_t bytes : {std::size_t(4096), std::size_t(65536), std::size_t(100), std::size_t(20000)})
+    for (int i = 0; i < 128; ++i) {
+      auto l = pool->take(bytes, reg);
+      REQUIRE(l);
+      CHECK(inside(*l, bytes));
+      CHECK(reinterpret_cast<std::uintptr_t>(l->addr) % vi::staging_min == 0);
+      std::memset(l->addr, 0xab, bytes);  // the pages are mapped and writable
+      slots.emplace_back(reinterpret_cast<std::uintptr_t>(l->addr), vi::staging_min << vi::staging_class(bytes));
+      held.push_back(std::move(*l));
+    }
+  std::sort(slots.begin(), slots.end());
+  for (std::size_t k = 1; k < slots.size(); ++k) CHECK(slots[k - 1].first + slots[k - 1].second <= slots[k].first);
+  // 4 KiB x 256 + 64 KiB x 128 + 32 KiB x 128 = 13 MiB: 7 chunks of 2 MiB.
+  CHECK(pool->registered_bytes() == 7 * vi::staging_chunk);
+  CHECK(reg.calls == 7);
+}
+
+TEST_CASE("staging_pool: a slot comes back when its hold goes, and is used again") {
+  auto pool = std::make_shared<vi::staging_pool>();
+  fake_registrar reg;
+  auto a = pool->take(4096, reg);
+  REQUIRE(a);
+  std::byte* addr = a->addr;
+  a->hold.reset();
+  auto b = pool->take(4096, reg);
+  REQUIRE(b);
+  CHECK(b->addr == addr);
+  CHECK(reg.calls == 1);
+}
+
+TEST_CASE("staging_pool: stops at its cap and when registration fails, and a lease outlives the pool's owner") {
+  auto pool = std::make_shared<vi::staging_pool>();
+  fake_registrar reg;
+  std::vector<vi::staging_lease> held;
+  const std::size_t slots = vi::staging_cap / vi::staging_max;
+  for (std::size_t i = 0; i < slots; ++i) {
+    auto l = pool->take(65536, reg);
+    REQUIRE(l);
+    held.push_back(std::move(*l));
+  }
+  CHECK_FALSE(pool->take(65536, reg));
+  CHECK_FALSE(pool->take(1, reg));  // every block is carved: smaller classes cannot grow either
+  CHECK(pool->registered_bytes() == vi::staging_cap);
+  auto fresh = std::make_shared<vi::staging_pool>();
+  reg.fail = true;
+  CHECK_FALSE(fresh->take(4096, reg));
+  CHECK(fresh->registered_bytes() == 0);
+  // The domain lets go of its pool while operations still hold slots: the
+  // pages stay until the last hold goes.
+  std::weak_ptr<vi::staging_pool> weak = pool;
+  pool.reset();
+  CHECK_FALSE(weak.expired());
+  std::memset(held.back().addr, 1, 65536);
+  held.clear();
+  CHECK(weak.expired());
 }

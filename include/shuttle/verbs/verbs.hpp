@@ -94,6 +94,9 @@ struct domain_stats {
   // or registered for that operation alone.
   std::uint64_t staged = 0;
   std::uint64_t transient_registrations = 0;
+  // Bytes the staging pool holds registered: it grows with the staged
+  // operations in flight, up to 16 MiB per domain.
+  std::size_t staging_bytes = 0;
   // Sends and writes from the bytes of a received message the application
   // holds (an echo): posted from the receive buffer's own registration.
   std::uint64_t receive_buffer_sends = 0;

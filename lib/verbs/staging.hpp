@@ -1,0 +1,120 @@
+// Staging: registered slots that sends and writes from memory the library
+// does not own are copied into. Such memory is never registered for longer
+// than one operation, since nothing tells the library when it is unmapped
+// (docs/memory-registration.md); copying a small source into memory that
+// stays registered costs less than registering it per operation.
+#pragma once
+
+#include "registration.hpp"
+
+#include <array>
+#include <optional>
+
+namespace shuttle::detail::verbs_impl {
+
+// Sources up to staging_max are staged, in slots of the next power of two
+// from staging_min. The pool registers staging_chunk bytes at a time, as
+// operations in flight need them, up to staging_cap per domain; past that
+// (and for larger sources and read targets) an operation registers its
+// memory for itself.
+constexpr std::size_t staging_min = 4 << 10;
+constexpr std::size_t staging_max = 64 << 10;
+constexpr std::size_t staging_chunk = 2 << 20;
+constexpr std::size_t staging_cap = 16 << 20;
+constexpr unsigned staging_classes = 5;  // 4, 8, 16, 32, 64 KiB
+static_assert((staging_min << (staging_classes - 1)) == staging_max);
+static_assert(staging_chunk % staging_max == 0 && staging_cap % staging_chunk == 0);
+
+constexpr unsigned staging_class(std::size_t bytes) noexcept {
+  unsigned c = 0;
+  while ((staging_min << c) < bytes) ++c;
+  return c;
+}
+
+struct staging_pool;
+
+// One operation's slot: where to copy, the chunk's registration, and the
+// hold that gives the slot back when the operation lets go of it.
+struct staging_lease {
+  std::byte* addr;
+  verbs_region* region;
+  std::shared_ptr<verbs_region> hold;
+};
+
+struct staging_pool : std::enable_shared_from_this<staging_pool> {
+  struct chunk {
+    std::byte* mem;
+    std::shared_ptr<verbs_region> region;
+  };
+  struct slot {
+    std::uint32_t chunk, offset;
+  };
+  struct give_back {
+    std::shared_ptr<staging_pool> pool;
+    unsigned cls;
+    slot s;
+    void operator()(verbs_region*) const noexcept { pool->free[cls].push_back(s); }
+  };
+
+  std::vector<chunk> chunks;
+  // Blocks of staging_max bytes handed out to the size classes so far, in
+  // chunk order; a class splits its blocks into its slots and keeps them.
+  std::size_t blocks_carved = 0;
+  // Free slots per class; capacity reserved for every slot the class could
+  // ever hold, so giving one back never allocates.
+  std::array<std::vector<slot>, staging_classes> free;
+
+  std::size_t registered_bytes() const noexcept { return chunks.size() * staging_chunk; }
+
+  // A free slot for `bytes` (<= staging_max), growing the pool with
+  // `reg(span) -> result<shared_ptr<verbs_region>>` when the class has none;
+  // nullopt when the pool is at its cap or cannot grow.
+  template <class Register>
+  std::optional<staging_lease> take(std::size_t bytes, Register&& reg) {
+    const unsigned cls = staging_class(bytes);
+    auto& list = free[cls];
+    if (list.empty() && !carve(cls, reg)) return std::nullopt;
+    const slot s = list.back();
+    list.pop_back();
+    const chunk& c = chunks[s.chunk];
+    return staging_lease{c.mem + s.offset, c.region.get(),
+                         std::shared_ptr<verbs_region>(c.region.get(), give_back{shared_from_this(), cls, s})};
+  }
+
+  ~staging_pool() {
+    for (auto& c : chunks) {
+      c.region.reset();  // deregistered before the pages go
+      ::munmap(c.mem, staging_chunk);
+    }
+  }
+
+ private:
+  template <class Register>
+  bool carve(unsigned cls, Register& reg) {
+    constexpr std::size_t blocks_per_chunk = staging_chunk / staging_max;
+    if (blocks_carved == chunks.size() * blocks_per_chunk) {
+      if (registered_bytes() >= staging_cap) return false;
+      void* p = ::mmap(nullptr, staging_chunk, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return false;
+      auto mem = static_cast<std::byte*>(p);
+      auto r = reg(std::span<std::byte>(mem, staging_chunk));
+      if (!r) {
+        ::munmap(p, staging_chunk);
+        return false;
+      }
+      if (chunks.empty()) chunks.reserve(staging_cap / staging_chunk);
+      chunks.push_back({mem, std::move(*r)});
+    }
+    const std::size_t size = staging_min << cls;
+    auto& list = free[cls];
+    if (list.capacity() == 0) list.reserve(staging_cap / size);
+    const auto ci = static_cast<std::uint32_t>(blocks_carved / blocks_per_chunk);
+    const std::size_t base = (blocks_carved % blocks_per_chunk) * staging_max;
+    ++blocks_carved;
+    for (std::size_t off = staging_max; off >= size; off -= size)  // lowest address taken first
+      list.push_back({ci, static_cast<std::uint32_t>(base + off - size)});
+    return true;
+  }
+};
+
+}  // namespace shuttle::detail::verbs_impl
