@@ -1097,6 +1097,52 @@ TEST_CASE("post_batch: one signaled completion per chunk; larger than the send q
   }());
 }
 
+// Unregistered sources of a full send queue are all staged: the pool grows
+// to hold every operation in flight (it had 32 slots, and registered the
+// rest of a 128-deep queue per operation), and reuses its slots after.
+TEST_CASE("staging: a 128-deep batch from unregistered memory is staged whole, slots reused") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    connection_options opts;
+    opts.send_queue_depth = 128;
+    pair_t p;
+    co_await make_pair(sd, cd, p, opts);
+    std::vector<std::byte> target(128 * 65536);
+    auto mr = sd.register_memory(target, access::all).value();
+    auto small = pattern(128 * 4096, 11), large = pattern(64 * 60000, 12);  // never registered
+    auto before = verbs::stats(cd).value();
+    std::vector<operation> ops;
+    for (int i = 0; i < 128; ++i)
+      ops.push_back(operation::write(std::span(small).subspan(i * 4096, 4096), mr.remote(i * 4096, 4096)));
+    REQUIRE((co_await p.client.post_batch(ops)).has_value());
+    CHECK(std::memcmp(target.data(), small.data(), small.size()) == 0);
+    ops.clear();
+    for (int i = 0; i < 64; ++i)
+      ops.push_back(operation::write(std::span(large).subspan(i * 60000, 60000), mr.remote(i * 65536, 60000)));
+    REQUIRE((co_await p.client.post_batch(ops)).has_value());
+    for (int i = 0; i < 64; ++i) CHECK(std::memcmp(target.data() + i * 65536, large.data() + i * 60000, 60000) == 0);
+    auto mid = verbs::stats(cd).value();
+    CHECK(mid.staged - before.staged == 192);
+    CHECK(mid.transient_registrations == before.transient_registrations);
+    // 128 x 4 KiB + 64 x 64 KiB slots: 4.5 MiB, in 2 MiB chunks.
+    CHECK(mid.staging_bytes >= (std::size_t(9) << 19));
+    CHECK(mid.staging_bytes <= (std::size_t(16) << 20));
+    // Again, other bytes: the slots came back and are used again.
+    auto small2 = pattern(128 * 4096, 13);
+    ops.clear();
+    for (int i = 0; i < 128; ++i)
+      ops.push_back(operation::write(std::span(small2).subspan(i * 4096, 4096), mr.remote(i * 4096, 4096)));
+    REQUIRE((co_await p.client.post_batch(ops)).has_value());
+    CHECK(std::memcmp(target.data(), small2.data(), small2.size()) == 0);
+    auto after = verbs::stats(cd).value();
+    CHECK(after.registrations == mid.registrations);
+    CHECK(after.staging_bytes == mid.staging_bytes);
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+}
+
 TEST_CASE("shared receive queue: 16 connections on one SRQ per side, uneven load, data verified, no RNR") {
   io_context ctx;
   ctx.run([]() -> task<void> {
