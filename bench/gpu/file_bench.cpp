@@ -9,6 +9,11 @@
 // DEPTHxCHUNK_MiB sets the uring engine's file_options (default: the
 // library's). SHUTTLE_BENCH_SWEEP="8x4,16x8,..." adds a table of uring
 // O_DIRECT configurations and dd / naive block sizes after the report.
+// SHUTTLE_BENCH_ROUNDS=N adds N rounds of dd, the naive direct loop and
+// uring O_DIRECT (the configuration above), cold each, in an order that
+// rotates per round, and prints each round's ratios and their medians: the
+// disk's drift between runs (dd alone moved 2.1-2.8 GB/s between runs on
+// the H100 machine) falls on both sides of each ratio.
 //
 // FILE is (re)written with a pattern when missing or of another size. Each
 // read starts cold: posix_fadvise(DONTNEED) on the file (O_DIRECT reads
@@ -23,6 +28,7 @@
 
 #include "../../examples/crash_trace.hpp"
 
+#include <algorithm>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -238,6 +244,40 @@ int main(int argc, char** argv) {
     std::printf("ratios (cufile): %.2f of dd, %.2fx naive direct, loop thread %.1f%% busy\n", t_dd / c.secs,
                 t_nd / c.secs, 100 * c.busy);
   bool sweep_ok = true;
+  if (const char* rs = std::getenv("SHUTTLE_BENCH_ROUNDS")) {
+    const int rounds = std::atoi(rs);
+    std::vector<double> of_dd, of_naive;
+    std::printf("rounds (%zu GiB, cold each; GB/s dd / naive direct / uring; uring over dd, over naive):\n", gib);
+    for (int r = 0; r < rounds; ++r) {
+      double t[3] = {};
+      for (int k = 0; k < 3; ++k) {
+        const int which = (r + k) % 3;
+        bool ok = true;
+        if (which == 0) t[0] = dd(path, 16);
+        if (which == 1) t[1] = naive(path, true, d, len, ok);
+        if (which == 2) {
+          engine_run e = run_engine(ctx, path, uo, d, len, "uring O_DIRECT (round)");
+          t[2] = e.secs;
+          ok = e.ok;
+        }
+        sweep_ok = sweep_ok && ok && t[which] > 0;
+      }
+      of_dd.push_back(t[0] / t[2]);
+      of_naive.push_back(t[1] / t[2]);
+      std::printf("  round %d: %6.2f %6.2f %6.2f   %.3f %.3f\n", r + 1, gbs(t[0]), gbs(t[1]), gbs(t[2]), of_dd.back(),
+                  of_naive.back());
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0.0 : (v[(v.size() - 1) / 2] + v[v.size() / 2]) / 2;
+    };
+    auto spread = [](const std::vector<double>& v) {
+      auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+      return v.empty() ? std::string("-") : std::to_string(*lo).substr(0, 5) + "-" + std::to_string(*hi).substr(0, 5);
+    };
+    std::printf("rounds median: uring %.3f of dd (%s; target >= 0.9), %.3fx naive direct (%s; reachable target >= 1.0)\n",
+                median(of_dd), spread(of_dd).c_str(), median(of_naive), spread(of_naive).c_str());
+  }
   if (const char* sw = std::getenv("SHUTTLE_BENCH_SWEEP")) {
     // A table of uring O_DIRECT configurations ("DxM,DxM,...") and dd /
     // naive block sizes, each cold, with dd bs=16M again at the end: the

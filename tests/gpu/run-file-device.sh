@@ -85,15 +85,18 @@ echo "=== cuFile log ($CUFILE_LOG), last 40 lines"
 tail -n 40 "$CUFILE_LOG" 2>/dev/null || echo "(none written)"
 
 rm -f "$W/weights.dat"
-step "weights_push, engine auto" 90 "$D/shuttle-weights-push" "$W/weights.dat" --mib 512
+for run in 1 2 3; do
+  step "weights_push, engine auto (run $run)" 90 "$D/shuttle-weights-push" "$W/weights.dat" --mib 512
+done
 step "weights_push, engine cufile (compatibility mode)" 90 \
   "${COMPAT[@]}" SHUTTLE_FILE_ENGINE=cufile "$D/shuttle-weights-push" "$W/weights.dat"
 rm -f "$W/weights.dat" "$W/weights.dat.part"
 
-# SHUTTLE_BENCH_SWEEP adds a table of uring depth x chunk configurations
-# and dd / naive block sizes, same file, cold each (about a minute).
+# SHUTTLE_BENCH_ROUNDS: rounds of dd / naive / uring in rotating order, the
+# ratios' medians. SHUTTLE_BENCH_SWEEP (e.g. 1x16,4x16,8x4,4x64) adds a
+# table of uring depth x chunk configurations and dd / naive block sizes.
 step "gpu_file_bench 2 GiB" 300 "${COMPAT[@]}" \
-  SHUTTLE_BENCH_SWEEP=${SHUTTLE_BENCH_SWEEP-1x16,2x16,4x16,8x16,16x16,8x4,16x4,32x4,16x8,32x8,4x64,8x32} \
+  SHUTTLE_BENCH_ROUNDS=${SHUTTLE_BENCH_ROUNDS-7} ${SHUTTLE_BENCH_SWEEP:+SHUTTLE_BENCH_SWEEP=$SHUTTLE_BENCH_SWEEP} \
   "$D/gpu_file_bench" "$W/bench.dat" 2
 rm -f "$W/bench.dat"
 echo "=== cuFile log ($CUFILE_LOG), last 20 lines"
