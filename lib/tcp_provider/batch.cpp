@@ -11,6 +11,46 @@ task<result<void>> finish_now(std::error_code ec) {
   co_return result<void>{};
 }
 
+// A WRITE's data up to this size joins a WRITE_LIST; a larger one goes in a
+// frame of its own (its header is nothing next to its payload).
+constexpr std::size_t list_block_max = std::size_t(1) << 20;
+
+// How many operations from `i` on (before `end`) one WRITE_LIST carries:
+// WRITEs of 1 byte to list_block_max, all to the first one's rkey.
+std::size_t list_run(std::span<const header> hs, std::span<const operation> ops, std::size_t i, std::size_t end) {
+  std::size_t j = i;
+  std::uint64_t bytes = 0;
+  while (j < end && j - i < max_list_entries && hs[j].op == opcode::write && hs[j].rkey == hs[i].rkey) {
+    const std::size_t len = ops[j].local.size();
+    if (len == 0 || len > list_block_max || bytes + len > max_rdma_length) break;
+    bytes += len;
+    ++j;
+  }
+  return j - i;
+}
+
+// Queues one WRITE_LIST for the WRITEs `hs` (their seqs consecutive, taken).
+void queue_list(conn_state& s, std::span<const header> hs, std::span<const operation> ops) {
+  header l;
+  l.op = opcode::write_list;
+  l.seq = hs.front().seq;
+  l.rkey = hs.front().rkey;
+  l.arg0 = hs.size();
+  out_frame f;
+  f.table.resize(hs.size() * list_entry_size);
+  std::uint64_t bytes = 0;
+  for (std::size_t k = 0; k < hs.size(); ++k) {
+    encode_list_entry({hs[k].addr, hs[k].length}, std::span(f.table).subspan(k * list_entry_size).first<list_entry_size>());
+    bytes += hs[k].length;
+  }
+  l.length = static_cast<std::uint32_t>(bytes);
+  encode_header(l, f.hdr);
+  f.list_ops = ops.data();
+  f.list_n = static_cast<std::uint32_t>(ops.size());
+  s.outq.push_back(std::move(f));
+  list_frames_sent.fetch_add(1, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 // A batch (connection::post_batch): the frames of a chunk are queued
@@ -94,14 +134,23 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
       rec.holds_responder = needs_responder(h.op);
       if (h.op == opcode::read_req)
         rec.read_dst = std::span(const_cast<std::byte*>(ops[i].local.data()), ops[i].local.size());
+      s->pending.push_back(&rec);
+    }
+    for (std::size_t i = queued; i < end;) {
+      const std::size_t run = s->peer_reads_lists ? list_run(hs, ops, i, end) : 1;
+      if (run >= 2) {
+        queue_list(*s, std::span(hs).subspan(i, run), ops.subspan(i, run));
+        i += run;
+        continue;
+      }
       out_frame f;
-      encode_header(h, f.hdr);
-      if (h.op != opcode::read_req) {
+      encode_header(hs[i], f.hdr);
+      if (hs[i].op != opcode::read_req) {
         f.payload = ops[i].local.data();
         f.len = ops[i].local.size();
       }
       s->outq.push_back(std::move(f));
-      s->pending.push_back(&rec);
+      ++i;
     }
     queued = end;
     s->idle.reset();

@@ -96,7 +96,9 @@ conn_state::action conn_state::begin_frame(const header& h, std::span<std::byte>
       return action::next;
     }
     case opcode::ack:
+      if (h.seq == 0) peer_reads_lists = true;  // the announcement (wire.hpp); a no-op to older peers
       return ack_upto(h.seq) ? action::next : action::protocol;
+    case opcode::write_list: return action::protocol;  // read_list's
     case opcode::nak: {
       op_rec* r = answered(h.seq);
       if (!r) return action::protocol;
@@ -214,6 +216,120 @@ result<std::size_t> conn_state::take_now(std::span<std::byte> buf) {
   return got;
 }
 
+namespace {
+// Drops `n` bytes (at most what `v` holds) from the front of `v`.
+void consume(std::span<iovec>& v, std::size_t n) noexcept {
+  while (n > 0) {
+    const std::size_t k = std::min(n, v.front().iov_len);
+    v.front().iov_base = static_cast<std::byte*>(v.front().iov_base) + k;
+    v.front().iov_len -= k;
+    n -= k;
+    if (v.front().iov_len == 0) v = v.subspan(1);
+  }
+  while (!v.empty() && v.front().iov_len == 0) v = v.subspan(1);
+}
+}  // namespace
+
+result<bool> conn_state::take_now_v(std::span<iovec>& v) {
+  while (!v.empty() && ahead_begin < ahead_end) {
+    const std::size_t k = std::min(v.front().iov_len, ahead_end - ahead_begin);
+    std::memcpy(v.front().iov_base, ahead.get() + ahead_begin, k);
+    ahead_begin += k;
+    consume(v, k);
+  }
+  if (v.empty()) return true;
+  // A list frame: the connection is busy; what follows it is read ahead.
+  if (!ahead) ahead = std::make_unique<std::byte[]>(read_ahead_size);
+  ahead_begin = ahead_end = 0;
+  while (!v.empty()) {
+    std::size_t want = 0;
+    for (const iovec& e : v) want += e.iov_len;
+    // As take_now: behind a large payload, only the next header.
+    v.data()[v.size()] = {ahead.get(), want >= read_ahead_size / 2 ? header_size : read_ahead_size};
+    msghdr m{};
+    m.msg_iov = v.data();
+    m.msg_iovlen = v.size() + 1;
+    ssize_t n = ::recvmsg(sock.native_handle(), &m, MSG_DONTWAIT);
+    if (n > 0) {
+      const auto u = static_cast<std::size_t>(n);
+      consume(v, std::min(u, want));
+      if (u > want) ahead_end = u - want;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (auto ec = read_ended(n)) return ec;
+    break;
+  }
+  return v.empty();
+}
+
+// A WRITE_LIST: its table is read and checked as a whole, then every
+// descriptor against the target region's bounds and rights, before a byte of
+// payload is placed. The payloads of the descriptors before the first refused
+// one are placed (scattered straight into the region, one recvmsg for many),
+// as a run of WRITEs would have done them; the refused one is NAKed (its own
+// seq) and nothing after it is touched. Bad framing (a zero or oversize
+// length, lengths that do not sum to the frame's) is a protocol error.
+task<conn_state::action> conn_state::read_list(header h) {
+  const auto n = static_cast<std::size_t>(h.arg0);  // decode_header: 1..max_list_entries
+  if (!list_table) {
+    list_table = std::make_unique_for_overwrite<std::byte[]>(max_list_entries * list_entry_size);
+    list_entries = std::make_unique<list_entry[]>(max_list_entries);
+    list_iov = std::make_unique<iovec[]>(max_list_entries + 1);
+  }
+  std::span<std::byte> table(list_table.get(), h.table_length());
+  auto got = take_now(table);
+  if (!got) co_return action::io;
+  if (*got < table.size()) {
+    auto r = co_await sock.read_exact(table.subspan(*got));
+    if (!r) co_return action::io;
+  }
+  if (!decode_list_table(h, table, std::span(list_entries.get(), n))) co_return action::protocol;
+  list_frames_received.fetch_add(1, std::memory_order_relaxed);
+  auto region = dom->find(h.rkey);
+  region_view view;
+  if (region) view = {region->addr, region->length, region->access};
+  grant_use use;  // as a WRITE through a grant: revoke waits until the payloads are in
+  if (auto g = region ? nullptr : dom->find_grant(h.rkey, this)) {
+    view = {g->addr, g->length, g->access};
+    use = grant_use(std::move(g));
+  }
+  std::size_t ok = 0;
+  for (; ok < n; ++ok) {
+    const list_entry& e = list_entries[ok];
+    auto target = check_access(view, e.addr, e.length, access::remote_write, false);
+    if (!target) break;
+    list_iov[ok] = {*target, e.length};
+  }
+  if (ok > 0) {
+    cur_use = std::move(use);
+    std::span<iovec> v(list_iov.get(), ok);
+    for (;;) {
+      auto full = take_now_v(v);
+      if (!full) co_return action::io;
+      if (*full) break;
+      auto r = co_await sock.readv(v);
+      if (!r) co_return action::io;
+      if (*r == 0) co_return action::io;  // EOF mid-payload
+      consume(v, *r);
+      if (v.empty()) break;
+    }
+    cur_use = {};
+  }
+  if (ok < n) {
+    header nak;
+    nak.op = opcode::nak;
+    nak.st = status::remote_access_error;
+    nak.seq = h.seq + ok;  // the ones before it are acknowledged by it
+    queue_response(nak);
+    refuse_peer();
+    co_return action::drain;
+  }
+  ack_seq = h.seq + n - 1;
+  wake_writer();
+  co_return action::next;
+}
+
 // The reader is one coroutine whose only suspensions are real waits (the
 // socket, the responder units) and the budget's yield: everything a frame
 // needs when its bytes are there runs in plain calls.
@@ -238,7 +354,13 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
     std::span<std::byte> dst;
     action a;
     try {
-      a = s->begin_frame(*h, dst);
+      if (h->op == opcode::write_list) {
+        a = co_await s->read_list(*h);
+        // Up to max_list_entries blocks: it weighs as several frames.
+        frames += reader_frame_budget / 8 - 1;
+      } else {
+        a = s->begin_frame(*h, dst);
+      }
     } catch (const std::bad_alloc&) {  // no memory for a receive buffer: this connection fails, not the process
       ec = std::make_error_code(std::errc::not_enough_memory);
       break;
@@ -266,7 +388,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
     if (a == action::next) {
       // A peer that keeps the socket full gets `reader_frame_budget`
       // frames, then the others have their turn.
-      if (++frames == reader_frame_budget) {
+      if (++frames >= reader_frame_budget) {
         frames = 0;
         co_await yield();
         if (s->state() == phase::stopping) break;

@@ -12,6 +12,7 @@
 
 #include <shuttle/transport.hpp>
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -86,6 +87,29 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             std::uint64_t e = h->arg0;
             (void)w.compare_exchange_strong(e, h->arg1);
           }
+        }
+        break;
+      }
+      case opcode::write_list: {
+        // As the reader: the whole table parsed, every descriptor checked
+        // before its payload is placed; the first refused one ends it.
+        std::array<list_entry, max_list_entries> es{};
+        if (!decode_list_table(*h, body.first(h->table_length()), es)) return 0;  // protocol error
+        auto data = body.subspan(h->table_length());
+        std::uint64_t sum = 0;
+        for (std::size_t i = 0; i < h->arg0; ++i) sum += es[i].length;
+        if (sum != data.size()) fail();  // the decoder must have refused it
+        region_view view;
+        if (h->rkey == fuzz_rkey) view = {base, region_size, rights};
+        for (std::size_t i = 0; i < h->arg0; ++i) {
+          const std::uint64_t addr = reinterpret_cast<std::uint64_t>(base) + (es[i].addr - fuzz_base);
+          auto target = check_access(view, addr, es[i].length, required_access(h->op), false);
+          if (!target) return 0;  // NAK
+          std::byte* p = *target;
+          if (p < base || p + es[i].length > base + region_size) fail();
+          if (!(rights & access::remote_write)) fail();
+          std::memcpy(p, data.data(), es[i].length);
+          data = data.subspan(es[i].length);
         }
         break;
       }
