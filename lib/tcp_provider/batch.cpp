@@ -11,16 +11,19 @@ task<result<void>> finish_now(std::error_code ec) {
   co_return result<void>{};
 }
 
-// A WRITE's data up to this size joins a WRITE_LIST; a larger one goes in a
-// frame of its own (its header is nothing next to its payload).
+// An operation's data up to this size joins a list frame; a larger one goes
+// in a frame of its own (its header is nothing next to its payload).
 constexpr std::size_t list_block_max = std::size_t(1) << 20;
 
-// How many operations from `i` on (before `end`) one WRITE_LIST carries:
-// WRITEs of 1 byte to list_block_max, all to the first one's rkey.
+// How many operations from `i` on (before `end`) one list frame carries:
+// WRITEs (WRITE_LIST) or READs (READ_LIST) of 1 byte to list_block_max,
+// all to the first one's rkey.
 std::size_t list_run(std::span<const header> hs, std::span<const operation> ops, std::size_t i, std::size_t end) {
+  const opcode op = hs[i].op;
+  if (op != opcode::write && op != opcode::read_req) return 1;
   std::size_t j = i;
   std::uint64_t bytes = 0;
-  while (j < end && j - i < max_list_entries && hs[j].op == opcode::write && hs[j].rkey == hs[i].rkey) {
+  while (j < end && j - i < max_list_entries && hs[j].op == op && hs[j].rkey == hs[i].rkey) {
     const std::size_t len = ops[j].local.size();
     if (len == 0 || len > list_block_max || bytes + len > max_rdma_length) break;
     bytes += len;
@@ -29,24 +32,26 @@ std::size_t list_run(std::span<const header> hs, std::span<const operation> ops,
   return j - i;
 }
 
-// Queues one WRITE_LIST for the WRITEs `hs` (their seqs consecutive, taken).
+// Queues one list frame for the operations `hs` (their seqs consecutive,
+// taken): a WRITE_LIST with their data, or a READ_LIST.
 void queue_list(conn_state& s, std::span<const header> hs, std::span<const operation> ops) {
+  const bool write = hs.front().op == opcode::write;
   header l;
-  l.op = opcode::write_list;
+  l.op = write ? opcode::write_list : opcode::read_list;
   l.seq = hs.front().seq;
   l.rkey = hs.front().rkey;
   l.arg0 = hs.size();
   out_frame f;
   f.table.resize(hs.size() * list_entry_size);
+  if (write) f.parts.reserve(hs.size());
   std::uint64_t bytes = 0;
   for (std::size_t k = 0; k < hs.size(); ++k) {
     encode_list_entry({hs[k].addr, hs[k].length}, std::span(f.table).subspan(k * list_entry_size).first<list_entry_size>());
     bytes += hs[k].length;
+    if (write) f.parts.push_back({const_cast<std::byte*>(ops[k].local.data()), ops[k].local.size()});
   }
   l.length = static_cast<std::uint32_t>(bytes);
   encode_header(l, f.hdr);
-  f.list_ops = ops.data();
-  f.list_n = static_cast<std::uint32_t>(ops.size());
   s.outq.push_back(std::move(f));
   list_frames_sent.fetch_add(1, std::memory_order_relaxed);
 }

@@ -5,16 +5,20 @@
 // credits, and the responder resources: how many READ/atomic requests the
 // side answers at once, as verbs' max_dest_rd_atomic). Then both directions carry frames: a fixed 48-byte header,
 // followed by a payload for SEND, WRITE, WRITE_IMM and READ_RESP, and a
-// descriptor table and its payloads for WRITE_LIST.
+// descriptor table (and its payloads) for WRITE_LIST and READ_LIST.
 //
-// WRITE_LIST (a block list's one-sided writes to one region in one frame:
-// one header, then `count` descriptors of list_entry_size bytes, then the
-// descriptors' payloads back to back) is sent only to a peer that announced
-// it. The hello has no spare field (every one is checked, and a new version
-// would be refused by older peers), so the announcement is a frame every
-// peer accepts as a no-op: an ACK of seq 0 (a real cumulative ACK names seq
-// >= 1), which a side that reads WRITE_LIST sends first. An older peer
-// neither sends it nor gets WRITE_LIST frames.
+// List frames carry a block list's one-sided operations on one region in
+// one frame: WRITE_LIST is one header, `count` descriptors of
+// list_entry_size bytes, then the descriptors' payloads back to back;
+// READ_LIST is the header and the descriptors, answered by one
+// READ_LIST_RESP with the payloads back to back. Descriptor i is request
+// seq+i: ACKs, NAKs and the order are as for single operations. They are
+// sent only to a peer that announced them. The hello has no spare field
+// (every one is checked, and a new version would be refused by older
+// peers), so the announcement is a frame every peer accepts as a no-op: an
+// ACK of seq 0 (a real cumulative ACK names seq >= 1), which a side that
+// reads list frames sends first. An older peer neither sends it nor gets
+// list frames.
 //
 // Everything here is pure (bytes in, values out): the connection engine and
 // the fuzz target share it, so what the fuzzer exercises is what runs.
@@ -70,11 +74,13 @@ enum class opcode : std::uint8_t {
   cas = 5,         // arg0: expected, arg1: desired (8 bytes at addr)
   faa = 6,         // arg0: addend
   write_list = 7,  // arg0 descriptors (seq .. seq+arg0-1) into rkey; length: their payload bytes
+  read_list = 8,   // arg0 descriptors (seq .. seq+arg0-1) of rkey to read; length: their bytes
   ack = 16,        // responder: every request up to and including seq succeeded
   nak = 17,        // responder: request seq failed with `status`; nothing after it was done
   read_resp = 18,  // responder: payload of read seq
   atomic_resp = 19,  // responder: arg0 = the original value
   credit = 20,     // arg0 receive buffers freed
+  read_list_resp = 21,  // responder: the payloads of reads seq .. seq+arg0-1, back to back (length bytes)
 };
 
 enum class status : std::uint8_t {
@@ -87,7 +93,7 @@ inline constexpr std::uint8_t flag_imm = 1;
 
 // WRITE_LIST: a descriptor is the remote address (8 bytes) and the length (4).
 inline constexpr std::size_t list_entry_size = 12;
-// Descriptors in one WRITE_LIST: the reader holds one table (and an iovec
+// Descriptors in one list frame: the reader holds one table (and an iovec
 // per descriptor) at a time, so this bounds its memory per connection;
 // longer lists are several frames.
 inline constexpr std::uint32_t max_list_entries = 256;
@@ -110,13 +116,17 @@ struct header {
       case opcode::send:
       case opcode::write:
       case opcode::write_imm:
-      case opcode::read_resp: return length;
+      case opcode::read_resp:
+      case opcode::read_list_resp: return length;
       case opcode::write_list: return arg0 * list_entry_size + length;
+      case opcode::read_list: return arg0 * list_entry_size;
       default: return 0;
     }
   }
-  // WRITE_LIST: the descriptor table's bytes (what precedes the payloads).
-  std::size_t table_length() const noexcept { return op == opcode::write_list ? arg0 * list_entry_size : 0; }
+  // WRITE_LIST, READ_LIST: the descriptor table's bytes (what precedes the payloads).
+  std::size_t table_length() const noexcept {
+    return op == opcode::write_list || op == opcode::read_list ? arg0 * list_entry_size : 0;
+  }
   bool is_request() const noexcept { return static_cast<std::uint8_t>(op) < 16; }
 };
 
@@ -151,7 +161,7 @@ struct list_entry {
   std::uint32_t length = 0;
 };
 void encode_list_entry(const list_entry& e, std::span<std::byte, list_entry_size> out) noexcept;
-// Parses a WRITE_LIST's table (h.arg0 descriptors, table.size() ==
+// Parses a WRITE_LIST's or READ_LIST's table (h.arg0 descriptors, table.size() ==
 // h.table_length()) into `out` (at least h.arg0 long): every length
 // non-zero and at most max_rdma_length, their sum exactly h.length (in 64
 // bits: no overflow), else errc::protocol_error. Bounds and rights are the

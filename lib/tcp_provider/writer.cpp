@@ -52,7 +52,7 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
     batch.clear();
     iov.clear();
     // At most 256 frames, and iovecs within the kernel's IOV_MAX (1024; a
-    // WRITE_LIST takes 2 + its entries), 2 left for the ACK and the CREDIT.
+    // list frame takes up to 2 + its entries), 2 left for the ACK and the CREDIT.
     std::size_t iovs = 0;
     while (!s->outq.empty() && batch.size() < 256 && iovs + s->outq.front().iov_count() <= max_iov - 2) {
       iovs += s->outq.front().iov_count();
@@ -63,15 +63,9 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
     if (s->responses_queued < our_responder_ops()) s->responder_room.set();
     for (auto& f : batch) {
       iov.push_back({f.hdr.data(), header_size});
-      if (f.list_n) {
-        iov.push_back({f.table.data(), f.table.size()});
-        for (std::uint32_t i = 0; i < f.list_n; ++i) {
-          auto l = f.list_ops[i].local;
-          iov.push_back({const_cast<std::byte*>(l.data()), l.size()});
-        }
-      } else if (f.len) {
-        iov.push_back({const_cast<std::byte*>(f.payload), f.len});
-      }
+      if (!f.table.empty()) iov.push_back({f.table.data(), f.table.size()});
+      if (!f.parts.empty()) iov.insert(iov.end(), f.parts.begin(), f.parts.end());
+      else if (f.len) iov.push_back({const_cast<std::byte*>(f.payload), f.len});
     }
     // A cumulative ACK goes after every response queued before it.
     if (s->outq.empty() && s->ack_seq != s->ack_sent) {

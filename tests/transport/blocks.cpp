@@ -265,7 +265,7 @@ task<void> round_trip(pair_t& p, const memory_region& mr) {
 }
 }  // namespace
 
-TEST_CASE("blocks (tcp engine): a list travels as WRITE_LIST frames; a peer that did not announce them gets WRITEs") {
+TEST_CASE("blocks (tcp engine): lists travel as WRITE_LIST/READ_LIST frames; a peer that did not announce them gets single ones") {
   bool old_peer = false;
   SUBCASE("both announce") { old_peer = false; }
   SUBCASE("a peer without WRITE_LIST") { old_peer = true; }
@@ -306,6 +306,24 @@ TEST_CASE("blocks (tcp engine): a list travels as WRITE_LIST frames; a peer that
       bad += !all_equal(std::span(target).subspan(b.remote_offset + size, size), std::byte{0x5A});
     }
     CHECK(bad == 0);
+    // Read back: READ_LIST frames (as many as the peer's responder units
+    // let a chunk hold: at least ceil(1000 / 256), far fewer than 1000).
+    std::vector<std::byte> back(2 * n * size, std::byte{0});
+    const auto rbefore = detail::tcp_list_frames();
+    auto r = co_await p.client.read_blocks(back, mr.remote(), blocks);
+    REQUIRE(r.has_value());
+    const auto rframes = detail::tcp_list_frames().received - rbefore.received;
+    if (old_peer) {
+      CHECK(rframes == 0);
+    } else {
+      CHECK(rframes >= (n + tcp_wire::max_list_entries - 1) / tcp_wire::max_list_entries);
+      CHECK(rframes <= n / 8);
+    }
+    bad = 0;
+    for (const block& b : blocks)
+      bad += !std::equal(src.begin() + b.local_offset, src.begin() + b.local_offset + b.length,
+                         back.begin() + b.local_offset);
+    CHECK(bad == 0);
     co_await close_pair(p);
   }());
 }
@@ -344,6 +362,45 @@ TEST_CASE("blocks (tcp engine): a WRITE_LIST refused at one descriptor names its
       auto got = std::span(mem).subspan(i * 128, 64);
       bad += i < first_bad ? !std::equal(got.begin(), got.end(), src.begin() + i * 128) : !all_equal(got, std::byte{0x5A});
       bad += !all_equal(std::span(mem).subspan(i * 128 + 64, 64), std::byte{0x5A});
+    }
+    CHECK(bad == 0);
+    CHECK_FALSE(p.client.is_open());
+    co_await close_pair(p);
+  }());
+}
+
+TEST_CASE("blocks (tcp engine): a READ_LIST refused at one descriptor names its block; earlier ones read") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    co_await make_pair(p);
+    if (!tcp_engine(p.client)) {
+      co_await close_pair(p);
+      co_return;
+    }
+    constexpr std::size_t n = 200, first_bad = 150;
+    auto mem = pattern(n * 128, 24);
+    std::span<std::byte> region(mem.data(), first_bad * 128 + 32);
+    auto mr = p.server_domain->register_memory(region, access::all).value();
+    co_await round_trip(p, mr);
+    std::vector<block> blocks;
+    for (std::uint64_t i = 0; i < n; ++i) blocks.push_back({i * 128, i * 128, 64});
+    remote_buffer lying = mr.remote();
+    lying.length = n * 128;
+    std::vector<std::byte> back(n * 128, std::byte{0x5A});
+    const auto before = detail::tcp_list_frames();
+    auto r = co_await p.client.read_blocks(back, lying, blocks);
+    REQUIRE_FALSE(r.has_value());
+    CHECK(matches(r.error(), errc::remote_access_error));
+    CHECK(r.failed_block() == first_bad);
+    CHECK(detail::tcp_list_frames().received - before.received >= 1);
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      auto got = std::span(back).subspan(i * 128, 64);
+      // Blocks before the refused one are read; later ones may not be (the
+      // error fails the connection), but none is written with wrong bytes.
+      if (i < first_bad) bad += !std::equal(got.begin(), got.end(), mem.begin() + i * 128);
+      else bad += !all_equal(got, std::byte{0x5A});
     }
     CHECK(bad == 0);
     CHECK_FALSE(p.client.is_open());

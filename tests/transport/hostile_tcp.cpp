@@ -466,6 +466,7 @@ std::vector<std::byte> list_frame(std::uint64_t seq, std::uint32_t rkey, const s
 
 struct list_outcome {
   std::vector<header> got;       // the target's frames after its hello, until it closed
+  std::vector<std::vector<std::byte>> payloads;  // each one's payload
   std::error_code app_error;     // what the accepted connection's recv failed with
 };
 
@@ -501,6 +502,9 @@ task<list_outcome> run_list(list_target& t, list_maker make, std::uint64_t await
       auto h = decode_header(hb, limits{});
       REQUIRE(h.has_value());
       out.got.push_back(*h);
+      std::vector<std::byte> payload(h->payload_length());
+      if (!payload.empty() && !co_await with_timeout(s.read_exact(payload), 30s)) break;
+      out.payloads.push_back(std::move(payload));
       if (!shut && h->op == opcode::ack && h->seq >= await_ack) shut = s.shutdown(SHUT_WR).has_value();
     }
   };
@@ -514,6 +518,10 @@ task<list_outcome> run_list(list_target& t, list_maker make, std::uint64_t await
   co_await when_all(raw(), server());
   l.close();
   co_return out;
+}
+
+bool all_equal_to(std::span<const std::byte> s, std::byte v) {
+  return std::all_of(s.begin(), s.end(), [v](std::byte b) { return b == v; });
 }
 
 // The NAKs among `got`.
@@ -685,4 +693,117 @@ TEST_CASE("raw peer: a WRITE_LIST cut short by EOF mid-payload fails the connect
   CHECK(t.rw_is(100, 500, std::byte{0x77}));
   CHECK(t.rw_is(550, 1024, std::byte{0x77}));
   CHECK(t.untouched_outside_rw());
+}
+
+TEST_CASE("raw peer: a READ_LIST is answered for the descriptors before a refused one, which is NAKed") {
+  io_context ctx;
+  list_target t;
+  list_outcome o;
+  ctx.run([&]() -> task<void> {
+    o = co_await run_list(t, [](remote_buffer rw, remote_buffer) {
+      header r;
+      r.op = opcode::read_list;
+      r.seq = 2;
+      r.rkey = rw.rkey;
+      const std::vector<list_entry> es{{rw.address, 16}, {rw.address + 40, 4}, {rw.address + 1020, 8}, {rw.address, 4}};
+      r.arg0 = es.size();
+      r.length = 32;
+      std::vector<std::byte> f;
+      append(f, r);
+      for (const auto& e : es) {
+        std::array<std::byte, list_entry_size> b{};
+        encode_list_entry(e, b);
+        f.insert(f.end(), b.begin(), b.end());
+      }
+      // A WRITE_LIST first puts 0x10 at [0, 16) and 0x11 at [40, 44).
+      return std::vector<std::vector<std::byte>>{list_frame(1, rw.rkey, {{rw.address, 16}, {rw.address + 40, 4}}), f};
+    });
+  }());
+  std::size_t resp = o.got.size();
+  for (std::size_t i = 0; i < o.got.size(); ++i)
+    if (o.got[i].op == opcode::read_list_resp) resp = i;
+  REQUIRE(resp < o.got.size());
+  CHECK(o.got[resp].seq == 2);
+  CHECK(o.got[resp].arg0 == 2);
+  CHECK(o.got[resp].length == 20);
+  std::vector<std::byte> want(16, std::byte{0x10});
+  want.insert(want.end(), 4, std::byte{0x11});
+  CHECK(o.payloads[resp] == want);
+  auto n = naks(o);
+  REQUIRE(n.size() == 1);
+  CHECK(n[0].seq == 4);  // descriptor 2
+  CHECK(o.app_error == make_error_code(errc::peer_access_refused));
+  CHECK(t.untouched_outside_rw());
+}
+
+TEST_CASE("raw server: a READ_LIST_RESP that does not match the READs pending is a protocol error") {
+  // The raw server announces list frames, answers one single READ (so the
+  // client has read the announcement), then answers the client's READ_LIST
+  // with a lie: one byte more, one read more, or the wrong seq.
+  struct lie {
+    const char* what;
+    std::uint64_t seq_delta, count_delta;
+    std::uint32_t length_delta;
+  };
+  const lie cases[] = {{"one byte more", 0, 0, 1}, {"one read more", 0, 1, 0}, {"a later seq", 1, 0, 0}};
+  for (const auto& c : cases) {
+    INFO(c.what);
+    io_context ctx;
+    ctx.run([&c]() -> task<void> {
+      auto d = domain::open(tcp_options()).value();
+      auto raw_l = tcp_listener::bind(endpoint::loopback(0)).value();
+      auto raw_server = [&]() -> task<void> {
+        auto s = (co_await raw_l.accept()).value();
+        std::vector<std::byte> out = hello_bytes();
+        header announce;
+        announce.op = opcode::ack;
+        append(out, announce);
+        (void)co_await s.write_all(out);
+        std::array<std::byte, hello_size> theirs{};
+        if (!co_await with_timeout(s.read_exact(theirs), 30s)) co_return;
+        for (;;) {
+          std::array<std::byte, header_size> hb{};
+          if (!co_await with_timeout(s.read_exact(hb), 30s)) co_return;
+          auto h = decode_header(hb, limits{});
+          if (!h) co_return;
+          std::vector<std::byte> body(h->payload_length());
+          if (!body.empty() && !co_await with_timeout(s.read_exact(body), 30s)) co_return;
+          std::vector<std::byte> reply;
+          if (h->op == opcode::read_req) {
+            header r;
+            r.op = opcode::read_resp;
+            r.seq = h->seq;
+            r.length = h->length;
+            append(reply, r, h->length, std::byte{0x42});
+          } else if (h->op == opcode::read_list) {
+            header r;
+            r.op = opcode::read_list_resp;
+            r.seq = h->seq + c.seq_delta;
+            r.arg0 = h->arg0 + c.count_delta;
+            r.length = h->length + c.length_delta;
+            append(reply, r, r.length, std::byte{0x43});
+          } else {
+            continue;
+          }
+          if (!co_await s.write_all(reply)) co_return;
+        }
+      };
+      auto client = [&]() -> task<void> {
+        auto conn = co_await d.connect(endpoint::loopback(raw_l.local_endpoint()->port()));
+        REQUIRE(conn.has_value());
+        std::vector<std::byte> local(4096, std::byte{0x5A});
+        auto one = co_await conn->read(std::span(local).first(8), remote_buffer{0x1000, 7, 1 << 20});
+        REQUIRE(one.has_value());
+        CHECK(all_equal_to(std::span(local).first(8), std::byte{0x42}));
+        std::vector<block> blocks;
+        for (std::uint64_t i = 0; i < 4; ++i) blocks.push_back({1024 + i * 512, i * 512, 100});
+        auto r = co_await conn->read_blocks(local, remote_buffer{0x1000, 7, 1 << 20}, blocks);
+        REQUIRE_FALSE(r.has_value());
+        CHECK(r.error() == make_error_code(errc::protocol_error));
+        CHECK(all_equal_to(std::span(local).subspan(8), std::byte{0x5A}));  // no byte of the lie placed
+        CHECK_FALSE(conn->is_open());
+      };
+      co_await when_all(raw_server(), client());
+    }());
+  }
 }

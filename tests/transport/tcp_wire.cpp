@@ -176,6 +176,26 @@ TEST_CASE("wire: WRITE_LIST header and descriptor table are checked whole") {
   CHECK(d->table_length() == 3 * list_entry_size);
   CHECK(d->payload_length() == 3 * list_entry_size + 30);
   CHECK(required_access(opcode::write_list) == access::remote_write);
+  header rl = l;  // READ_LIST: the table only
+  rl.op = opcode::read_list;
+  REQUIRE(decode_header(enc(rl), lim).has_value());
+  CHECK(decode_header(enc(rl), lim)->payload_length() == 3 * list_entry_size);
+  CHECK(required_access(opcode::read_list) == access::remote_read);
+  header rr;  // READ_LIST_RESP: the payloads only, no target
+  rr.op = opcode::read_list_resp;
+  rr.seq = 9;
+  rr.arg0 = 3;
+  rr.length = 30;
+  REQUIRE(decode_header(enc(rr), lim).has_value());
+  CHECK_FALSE(decode_header(enc(rr), lim)->is_request());
+  CHECK(decode_header(enc(rr), lim)->payload_length() == 30);
+  rr.rkey = 5;
+  CHECK(proto(decode_header(enc(rr), lim).error()));
+  rr.rkey = 0;
+  rr.arg0 = 0;
+  CHECK(proto(decode_header(enc(rr), lim).error()));
+  rr.arg0 = 31;  // more reads than bytes
+  CHECK(proto(decode_header(enc(rr), lim).error()));
   auto bad = [&](auto&& change) {
     header b = l;
     change(b);
@@ -246,14 +266,15 @@ TEST_CASE("wire: fuzz entry point on random and mutated inputs") {
     int frames = 1 + static_cast<int>(rng() % 6);
     for (int f = 0; f < frames; ++f) {
       header fr;
-      fr.op = static_cast<opcode>(std::array{1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20}[rng() % 12]);
+      fr.op = static_cast<opcode>(std::array{1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18, 19, 20, 21}[rng() % 14]);
       fr.seq = rng() % 10;
       fr.addr = 0x10000 + (rng() % 300) - 20;
       fr.rkey = rng() % 4 ? 0x1234 : static_cast<std::uint32_t>(rng());
       fr.length = static_cast<std::uint32_t>(rng() % 300);
       if (fr.op == opcode::cas || fr.op == opcode::faa) fr.length = 8;
       std::vector<std::uint8_t> table;
-      if (fr.op == opcode::write_list) {  // 1-4 descriptors around the region; lengths that (mostly) add up
+      if (fr.op == opcode::read_list_resp) fr.arg0 = 1 + rng() % 4;
+      if (fr.op == opcode::write_list || fr.op == opcode::read_list) {  // 1-4 descriptors around the region; lengths that (mostly) add up
         fr.addr = 0;
         fr.arg0 = 1 + rng() % 4;
         fr.length = 0;
