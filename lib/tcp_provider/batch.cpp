@@ -2,6 +2,8 @@
 // headers are built once, up front.
 #include "connection.hpp"
 
+#include <algorithm>
+
 namespace shuttle::detail::tcp_provider {
 
 namespace {
@@ -18,12 +20,20 @@ constexpr std::size_t list_block_max = std::size_t(1) << 20;
 // How many operations from `i` on (before `end`) one list frame carries:
 // WRITEs (WRITE_LIST) or READs (READ_LIST) of 1 byte to list_block_max,
 // all to the first one's rkey.
-std::size_t list_run(std::span<const header> hs, std::span<const operation> ops, std::size_t i, std::size_t end) {
+// At most a quarter of what may be in flight (send-queue slots; for READs,
+// the peer's responder units too) goes in one frame: the target acknowledges
+// or answers a frame once it is whole, so that several frames in flight keep
+// the stream busy while the first ones complete.
+std::size_t list_run(const conn_state& s, std::span<const header> hs, std::span<const operation> ops, std::size_t i,
+                     std::size_t end) {
   const opcode op = hs[i].op;
   if (op != opcode::write && op != opcode::read_req) return 1;
+  std::size_t in_flight = s.opts.send_queue_depth;
+  if (op == opcode::read_req) in_flight = std::min<std::size_t>(in_flight, s.peer.max_responder_ops);
+  const std::size_t cap = std::clamp<std::size_t>(in_flight / 4, 8, max_list_entries);
   std::size_t j = i;
   std::uint64_t bytes = 0;
-  while (j < end && j - i < max_list_entries && hs[j].op == op && hs[j].rkey == hs[i].rkey) {
+  while (j < end && j - i < cap && hs[j].op == op && hs[j].rkey == hs[i].rkey) {
     const std::size_t len = ops[j].local.size();
     if (len == 0 || len > list_block_max || bytes + len > max_rdma_length) break;
     bytes += len;
@@ -142,7 +152,7 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
       s->pending.push_back(&rec);
     }
     for (std::size_t i = queued; i < end;) {
-      const std::size_t run = s->peer_reads_lists ? list_run(hs, ops, i, end) : 1;
+      const std::size_t run = s->peer_reads_lists ? list_run(*s, hs, ops, i, end) : 1;
       if (run >= 2) {
         queue_list(*s, std::span(hs).subspan(i, run), ops.subspan(i, run));
         i += run;
