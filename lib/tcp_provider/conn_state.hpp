@@ -42,6 +42,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -352,7 +353,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   std::size_t ahead_begin = 0, ahead_end = 0;
   unsigned frames_read = 0;
   result<std::size_t> take_now(std::span<std::byte> buf);
-  // List frames (reader.cpp): the table and the iovecs of the frame being
+  // List frames (lists.cpp): the table and the iovecs of the frame being
   // read, allocated on the first one (bounded: max_list_entries).
   std::unique_ptr<std::byte[]> list_table;
   std::unique_ptr<list_entry[]> list_entries;
@@ -399,6 +400,18 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
 
   phase state_ = phase::open;
 };
+
+// Drops `n` bytes (at most what `v` holds) from the front of `v`, in place.
+inline void consume_iov(std::span<iovec>& v, std::size_t n) noexcept {
+  while (n > 0) {
+    const std::size_t k = std::min(n, v.front().iov_len);
+    v.front().iov_base = static_cast<std::byte*>(v.front().iov_base) + k;
+    v.front().iov_len -= k;
+    n -= k;
+    if (v.front().iov_len == 0) v = v.subspan(1);
+  }
+  while (!v.empty() && v.front().iov_len == 0) v = v.subspan(1);
+}
 
 // Waits for one operation's completion.
 struct wait_rec {
