@@ -18,8 +18,15 @@
 //
 // Usage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read]
 //                     [--rails R] [--transport tcp|verbs|local] [--addr IP]
+//                     [--no-write-list]
+//
+// --no-write-list (tcp and local): the target does not announce the
+// WRITE_LIST frame, as a peer that predates it: every block is a WRITE
+// frame of its own (the comparison for the frame's gain).
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
+
+#include "stats.hpp"  // the tcp engine's tcp_announce_write_list (internal)
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -43,6 +50,7 @@ namespace {
 struct config {
   std::size_t blocks = 1000, block_size = 4096, iters = 30, rails = 1;
   bool read = false;
+  bool no_write_list = false;  // tcp/local: the target does not announce WRITE_LIST (a peer from before it)
   transport_kind kind = transport_kind::tcp;
   std::string addr = "127.0.0.1";
 };
@@ -50,7 +58,7 @@ struct config {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "blocks_bench: %s\nusage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] "
-               "[--rails R] [--transport tcp|verbs|local] [--addr IP]\n",
+               "[--rails R] [--transport tcp|verbs|local] [--addr IP] [--no-write-list]\n",
                why);
   std::exit(2);
 }
@@ -74,6 +82,7 @@ config parse(int argc, char** argv) {
     else if (a == "--block-size") c.block_size = number(next());
     else if (a == "--iters") c.iters = number(next());
     else if (a == "--read") c.read = true;
+    else if (a == "--no-write-list") c.no_write_list = true;
     else if (a == "--rails") c.rails = number(next());
     else if (a == "--addr") c.addr = next();
     else if (a == "--transport") {
@@ -114,6 +123,7 @@ int target(const config& c, int port_pipe) {
     domain d = open_domain(c);
     std::vector<std::byte> mem(2 * c.blocks * c.block_size, std::byte{1});
     auto mr = d.register_memory(mem, access::all).value();
+    if (c.no_write_list) detail::tcp_announce_write_list(false);
     auto l = d.listen(endpoint::parse(c.addr + ":0").value(), conn_opts(c)).value();
     std::uint16_t port = l.local_endpoint()->port();
     if (::write(port_pipe, &port, sizeof port) != sizeof port) co_return 1;

@@ -603,10 +603,10 @@ class connection {
   //  - Errors, cancellation: post_batch's. A failure fails the whole list
   //    (never a silent partial success); blocks before the failing one have
   //    been transferred, later ones not, and failed_block() names the first
-  //    block of the failing operation (tcp and local; verbs:
-  //    block_result::unknown once anything is posted, as the provider learns
-  //    a chain's failure, not which of its work requests failed; a
-  //    connection already failed: block 0, errc::disconnected).
+  //    block of the failing operation (verbs: from the failed work request's
+  //    own completion; block_result::unknown where only a flush or a failed
+  //    post says so; a connection already failed: block 0,
+  //    errc::disconnected).
   task<block_result> write_blocks(std::span<const std::byte> local, remote_buffer remote,
                                   std::span<const block> blocks, block_options options = {});
   task<block_result> read_blocks(std::span<std::byte> local, remote_buffer remote, std::span<const block> blocks);

@@ -2,6 +2,8 @@
 // headers are built once, up front.
 #include "connection.hpp"
 
+#include <algorithm>
+
 namespace shuttle::detail::tcp_provider {
 
 namespace {
@@ -9,6 +11,59 @@ namespace {
 task<result<void>> finish_now(std::error_code ec) {
   if (ec) co_return ec;
   co_return result<void>{};
+}
+
+// An operation's data up to this size joins a list frame; a larger one goes
+// in a frame of its own (its header is nothing next to its payload).
+constexpr std::size_t list_block_max = std::size_t(1) << 20;
+
+// How many operations from `i` on (before `end`) one list frame carries:
+// WRITEs (WRITE_LIST) or READs (READ_LIST) of 1 byte to list_block_max,
+// all to the first one's rkey.
+// At most a quarter of what may be in flight (send-queue slots; for READs,
+// the peer's responder units too) goes in one frame: the target acknowledges
+// or answers a frame once it is whole, so that several frames in flight keep
+// the stream busy while the first ones complete.
+std::size_t list_run(const conn_state& s, std::span<const header> hs, std::span<const operation> ops, std::size_t i,
+                     std::size_t end) {
+  const opcode op = hs[i].op;
+  if (op != opcode::write && op != opcode::read_req) return 1;
+  std::size_t in_flight = s.opts.send_queue_depth;
+  if (op == opcode::read_req) in_flight = std::min<std::size_t>(in_flight, s.peer.max_responder_ops);
+  const std::size_t cap = std::clamp<std::size_t>(in_flight / 4, 8, max_list_entries);
+  std::size_t j = i;
+  std::uint64_t bytes = 0;
+  while (j < end && j - i < cap && hs[j].op == op && hs[j].rkey == hs[i].rkey) {
+    const std::size_t len = ops[j].local.size();
+    if (len == 0 || len > list_block_max || bytes + len > max_rdma_length) break;
+    bytes += len;
+    ++j;
+  }
+  return j - i;
+}
+
+// Queues one list frame for the operations `hs` (their seqs consecutive,
+// taken): a WRITE_LIST with their data, or a READ_LIST.
+void queue_list(conn_state& s, std::span<const header> hs, std::span<const operation> ops) {
+  const bool write = hs.front().op == opcode::write;
+  header l;
+  l.op = write ? opcode::write_list : opcode::read_list;
+  l.seq = hs.front().seq;
+  l.rkey = hs.front().rkey;
+  l.arg0 = hs.size();
+  out_frame f;
+  f.table.resize(hs.size() * list_entry_size);
+  if (write) f.parts.reserve(hs.size());
+  std::uint64_t bytes = 0;
+  for (std::size_t k = 0; k < hs.size(); ++k) {
+    encode_list_entry({hs[k].addr, hs[k].length}, std::span(f.table).subspan(k * list_entry_size).first<list_entry_size>());
+    bytes += hs[k].length;
+    if (write) f.parts.push_back({const_cast<std::byte*>(ops[k].local.data()), ops[k].local.size()});
+  }
+  l.length = static_cast<std::uint32_t>(bytes);
+  encode_header(l, f.hdr);
+  s.outq.push_back(std::move(f));
+  list_frames_sent.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace
@@ -94,14 +149,23 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
       rec.holds_responder = needs_responder(h.op);
       if (h.op == opcode::read_req)
         rec.read_dst = std::span(const_cast<std::byte*>(ops[i].local.data()), ops[i].local.size());
+      s->pending.push_back(&rec);
+    }
+    for (std::size_t i = queued; i < end;) {
+      const std::size_t run = s->peer_reads_lists ? list_run(*s, hs, ops, i, end) : 1;
+      if (run >= 2) {
+        queue_list(*s, std::span(hs).subspan(i, run), ops.subspan(i, run));
+        i += run;
+        continue;
+      }
       out_frame f;
-      encode_header(h, f.hdr);
-      if (h.op != opcode::read_req) {
+      encode_header(hs[i], f.hdr);
+      if (hs[i].op != opcode::read_req) {
         f.payload = ops[i].local.data();
         f.len = ops[i].local.size();
       }
       s->outq.push_back(std::move(f));
-      s->pending.push_back(&rec);
+      ++i;
     }
     queued = end;
     s->idle.reset();

@@ -9,6 +9,15 @@ std::size_t tcp_receive_buffer_bytes() noexcept {
   return tcp_provider::receive_buffer_bytes.load(std::memory_order_relaxed);
 }
 
+tcp_list_counts tcp_list_frames() noexcept {
+  return {tcp_provider::list_frames_sent.load(std::memory_order_relaxed),
+          tcp_provider::list_frames_received.load(std::memory_order_relaxed)};
+}
+
+void tcp_announce_write_list(bool on) noexcept {
+  tcp_provider::announce_write_list.store(on, std::memory_order_relaxed);
+}
+
 }  // namespace shuttle::detail
 
 namespace shuttle::detail::tcp_provider {
@@ -121,6 +130,14 @@ void spawn_in(task_group& g, task<void> t, std::stop_token token) {
 }
 
 void conn_state::start() {
+  if (announce_write_list.load(std::memory_order_relaxed)) {
+    // We read WRITE_LIST: an ACK of seq 0 says so (wire.hpp), before anything else.
+    header a;
+    a.op = opcode::ack;
+    out_frame f;
+    encode_header(a, f.hdr);
+    outq.push_back(std::move(f));
+  }
   spawn_in(tasks, reader_loop(shared_from_this()), stop.get_token());
   spawn_in(tasks, writer_loop(shared_from_this()), stop.get_token());
 }

@@ -40,7 +40,9 @@
 #include <shuttle/timer.hpp>
 
 #include <sys/socket.h>
+#include <sys/uio.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -85,13 +87,23 @@ struct out_frame {
   std::array<std::byte, header_size> hdr{};
   const std::byte* payload = nullptr;
   std::size_t len = 0;
+  // List frames: the descriptor table (WRITE_LIST, READ_LIST) and the
+  // payloads (WRITE_LIST, READ_LIST_RESP), in place of payload/len.
+  std::vector<std::byte> table;
+  std::vector<iovec> parts;
+  std::size_t iov_count() const noexcept { return 1 + !table.empty() + (parts.empty() ? len != 0 : parts.size()); }
   std::shared_ptr<tcp_region> hold;  // READ_RESP: the region stays registered while we send from it
   grant_use use;                     // READ_RESP through a grant: its revoke waits until this is sent
-  bool response = false;             // READ_RESP/ATOMIC_RESP: counts against our responder units
+  std::uint32_t response = 0;        // READ/atomic responses in it: they count against our responder units
 };
 
 // Bytes of receive buffers held by every connection (stats.hpp).
 inline std::atomic<std::size_t> receive_buffer_bytes{0};
+// List frames (WRITE_LIST, READ_LIST) sent and received by every
+// connection, and whether new connections announce that they read them
+// (stats.hpp).
+inline std::atomic<std::uint64_t> list_frames_sent{0}, list_frames_received{0};
+inline std::atomic<bool> announce_write_list{true};
 
 // Connections established through one listener and not finished yet
 // (listener_options::max_connections); shared, as connections outlive it.
@@ -180,6 +192,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   std::uint32_t credits_to_return = 0;
   std::size_t messages_out = 0;
   std::shared_ptr<conn_state> keepalive;  // while messages are out
+  bool peer_reads_lists = false;          // the peer announced list frames (an ACK of seq 0: wire.hpp)
   std::uint32_t responses_queued = 0;     // READ/atomic responses in outq (bounded: hello's max_responder_ops)
   event responder_room{true};             // set while responses_queued is below it
   // The frame being read: its receive slot, or the operation its payload completes.
@@ -340,6 +353,19 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   std::size_t ahead_begin = 0, ahead_end = 0;
   unsigned frames_read = 0;
   result<std::size_t> take_now(std::span<std::byte> buf);
+  // List frames (lists.cpp): the table and the iovecs of the frame being
+  // read, allocated on the first one (bounded: max_list_entries).
+  std::unique_ptr<std::byte[]> list_table;
+  std::unique_ptr<list_entry[]> list_entries;
+  std::unique_ptr<iovec[]> list_iov;  // one more than the entries: the read-ahead's
+  void list_buffers();
+  task<action> take_list(header h);       // WRITE_LIST, READ_LIST (target side)
+  task<action> take_list_resp(header h);  // READ_LIST_RESP (initiator side)
+  task<bool> scatter_in(std::span<iovec> v);
+  // take_now for a scatter list: fills `v` (consumed from its front, in
+  // place), from the read-ahead, then with recvmsg; v.data()[v.size()] must
+  // be free for the read-ahead's iovec. True once `v` is full.
+  result<bool> take_now_v(std::span<iovec>& v);
   static task<void> reader_loop(std::shared_ptr<conn_state> s);
 
   // Writer (writer.cpp).
@@ -374,6 +400,18 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
 
   phase state_ = phase::open;
 };
+
+// Drops `n` bytes (at most what `v` holds) from the front of `v`, in place.
+inline void consume_iov(std::span<iovec>& v, std::size_t n) noexcept {
+  while (n > 0) {
+    const std::size_t k = std::min(n, v.front().iov_len);
+    v.front().iov_base = static_cast<std::byte*>(v.front().iov_base) + k;
+    v.front().iov_len -= k;
+    n -= k;
+    if (v.front().iov_len == 0) v = v.subspan(1);
+  }
+  while (!v.empty() && v.front().iov_len == 0) v = v.subspan(1);
+}
 
 // Waits for one operation's completion.
 struct wait_rec {

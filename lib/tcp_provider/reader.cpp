@@ -3,7 +3,7 @@
 // domain's registration table before reading the payload straight into the
 // target region (or the receive buffer); for a response it completes the
 // pending operations in order (READ payload straight into the initiator's
-// buffer).
+// buffer). List frames are lists.cpp's.
 #include "conn_state.hpp"
 
 #include <sys/socket.h>
@@ -96,7 +96,11 @@ conn_state::action conn_state::begin_frame(const header& h, std::span<std::byte>
       return action::next;
     }
     case opcode::ack:
+      if (h.seq == 0) peer_reads_lists = true;  // the announcement (wire.hpp); a no-op to older peers
       return ack_upto(h.seq) ? action::next : action::protocol;
+    case opcode::write_list:
+    case opcode::read_list:
+    case opcode::read_list_resp: return action::protocol;  // take_list's, take_list_resp's
     case opcode::nak: {
       op_rec* r = answered(h.seq);
       if (!r) return action::protocol;
@@ -214,6 +218,40 @@ result<std::size_t> conn_state::take_now(std::span<std::byte> buf) {
   return got;
 }
 
+
+result<bool> conn_state::take_now_v(std::span<iovec>& v) {
+  while (!v.empty() && ahead_begin < ahead_end) {
+    const std::size_t k = std::min(v.front().iov_len, ahead_end - ahead_begin);
+    std::memcpy(v.front().iov_base, ahead.get() + ahead_begin, k);
+    ahead_begin += k;
+    consume_iov(v, k);
+  }
+  if (v.empty()) return true;
+  // A list frame: the connection is busy; what follows it is read ahead.
+  if (!ahead) ahead = std::make_unique<std::byte[]>(read_ahead_size);
+  ahead_begin = ahead_end = 0;
+  while (!v.empty()) {
+    std::size_t want = 0;
+    for (const iovec& e : v) want += e.iov_len;
+    // As take_now: behind a large payload, only the next header.
+    v.data()[v.size()] = {ahead.get(), want >= read_ahead_size / 2 ? header_size : read_ahead_size};
+    msghdr m{};
+    m.msg_iov = v.data();
+    m.msg_iovlen = v.size() + 1;
+    ssize_t n = ::recvmsg(sock.native_handle(), &m, MSG_DONTWAIT);
+    if (n > 0) {
+      const auto u = static_cast<std::size_t>(n);
+      consume_iov(v, std::min(u, want));
+      if (u > want) ahead_end = u - want;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (auto ec = read_ended(n)) return ec;
+    break;
+  }
+  return v.empty();
+}
+
 // The reader is one coroutine whose only suspensions are real waits (the
 // socket, the responder units) and the budget's yield: everything a frame
 // needs when its bytes are there runs in plain calls.
@@ -238,7 +276,13 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
     std::span<std::byte> dst;
     action a;
     try {
-      a = s->begin_frame(*h, dst);
+      if (h->op == opcode::write_list || h->op == opcode::read_list || h->op == opcode::read_list_resp) {
+        a = h->op == opcode::read_list_resp ? co_await s->take_list_resp(*h) : co_await s->take_list(*h);
+        // Up to max_list_entries blocks: it weighs as several frames.
+        frames += reader_frame_budget / 8 - 1;
+      } else {
+        a = s->begin_frame(*h, dst);
+      }
     } catch (const std::bad_alloc&) {  // no memory for a receive buffer: this connection fails, not the process
       ec = std::make_error_code(std::errc::not_enough_memory);
       break;
@@ -266,7 +310,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
     if (a == action::next) {
       // A peer that keeps the socket full gets `reader_frame_budget`
       // frames, then the others have their turn.
-      if (++frames == reader_frame_budget) {
+      if (++frames >= reader_frame_budget) {
         frames = 0;
         co_await yield();
         if (s->state() == phase::stopping) break;

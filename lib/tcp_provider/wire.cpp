@@ -108,6 +108,19 @@ result<header> decode_header(std::span<const std::byte, header_size> in, const l
     case opcode::faa:
       if (h.length != 8 || h.arg1) return proto();
       break;
+    case opcode::write_list:
+    case opcode::read_list:
+      // The descriptors carry the addresses; arg0 of them, each at least a
+      // byte, at most max_rdma_length in all.
+      if (h.addr || h.arg1 || h.arg0 == 0 || h.arg0 > max_list_entries || h.length < h.arg0 ||
+          h.length > max_rdma_length)
+        return proto();
+      break;
+    case opcode::read_list_resp:
+      if (!no_target() || h.arg1 || h.arg0 == 0 || h.arg0 > max_list_entries || h.length < h.arg0 ||
+          h.length > max_rdma_length)
+        return proto();
+      break;
     case opcode::ack:
     case opcode::nak:
       if (h.length || !no_target() || h.arg0 || h.arg1) return proto();
@@ -139,10 +152,34 @@ result<std::byte*> check_access(const region_view& r, std::uint64_t addr, std::u
   return r.addr + off;
 }
 
+void encode_list_entry(const list_entry& e, std::span<std::byte, list_entry_size> out) noexcept {
+  put(out.data(), e.addr, 8);
+  put(out.data() + 8, e.length, 4);
+}
+
+result<void> decode_list_table(const header& h, std::span<const std::byte> table, std::span<list_entry> out) noexcept {
+  if ((h.op != opcode::write_list && h.op != opcode::read_list) || table.size() != h.table_length() ||
+      out.size() < h.arg0)
+    return proto();
+  std::uint64_t sum = 0;
+  for (std::size_t i = 0; i < h.arg0; ++i) {
+    const std::byte* p = table.data() + i * list_entry_size;
+    list_entry& e = out[i];
+    e.addr = get(p, 8);
+    e.length = static_cast<std::uint32_t>(get(p + 8, 4));
+    if (e.length == 0 || e.length > max_rdma_length) return proto();
+    sum += e.length;  // <= 256 * 2^32: no overflow
+  }
+  if (sum != h.length) return proto();
+  return {};
+}
+
 unsigned required_access(opcode op) noexcept {
   switch (op) {
+    case opcode::write_list:
     case opcode::write:
     case opcode::write_imm: return access::remote_write;
+    case opcode::read_list:
     case opcode::read_req: return access::remote_read;
     case opcode::cas:
     case opcode::faa: return access::remote_atomic;

@@ -4,7 +4,21 @@
 // receive pool geometry, so the initiator can refuse oversize sends and count
 // credits, and the responder resources: how many READ/atomic requests the
 // side answers at once, as verbs' max_dest_rd_atomic). Then both directions carry frames: a fixed 48-byte header,
-// followed by a payload for SEND, WRITE, WRITE_IMM and READ_RESP.
+// followed by a payload for SEND, WRITE, WRITE_IMM and READ_RESP, and a
+// descriptor table (and its payloads) for WRITE_LIST and READ_LIST.
+//
+// List frames carry a block list's one-sided operations on one region in
+// one frame: WRITE_LIST is one header, `count` descriptors of
+// list_entry_size bytes, then the descriptors' payloads back to back;
+// READ_LIST is the header and the descriptors, answered by one
+// READ_LIST_RESP with the payloads back to back. Descriptor i is request
+// seq+i: ACKs, NAKs and the order are as for single operations. They are
+// sent only to a peer that announced them. The hello has no spare field
+// (every one is checked, and a new version would be refused by older
+// peers), so the announcement is a frame every peer accepts as a no-op: an
+// ACK of seq 0 (a real cumulative ACK names seq >= 1), which a side that
+// reads list frames sends first. An older peer neither sends it nor gets
+// list frames.
 //
 // Everything here is pure (bytes in, values out): the connection engine and
 // the fuzz target share it, so what the fuzzer exercises is what runs.
@@ -59,11 +73,14 @@ enum class opcode : std::uint8_t {
   read_req = 4,    // asks for [addr, addr+length) of rkey
   cas = 5,         // arg0: expected, arg1: desired (8 bytes at addr)
   faa = 6,         // arg0: addend
+  write_list = 7,  // arg0 descriptors (seq .. seq+arg0-1) into rkey; length: their payload bytes
+  read_list = 8,   // arg0 descriptors (seq .. seq+arg0-1) of rkey to read; length: their bytes
   ack = 16,        // responder: every request up to and including seq succeeded
   nak = 17,        // responder: request seq failed with `status`; nothing after it was done
   read_resp = 18,  // responder: payload of read seq
   atomic_resp = 19,  // responder: arg0 = the original value
   credit = 20,     // arg0 receive buffers freed
+  read_list_resp = 21,  // responder: the payloads of reads seq .. seq+arg0-1, back to back (length bytes)
 };
 
 enum class status : std::uint8_t {
@@ -73,6 +90,13 @@ enum class status : std::uint8_t {
 };
 
 inline constexpr std::uint8_t flag_imm = 1;
+
+// WRITE_LIST: a descriptor is the remote address (8 bytes) and the length (4).
+inline constexpr std::size_t list_entry_size = 12;
+// Descriptors in one list frame: the reader holds one table (and an iovec
+// per descriptor) at a time, so this bounds its memory per connection;
+// longer lists are several frames.
+inline constexpr std::uint32_t max_list_entries = 256;
 
 struct header {
   opcode op{};
@@ -92,9 +116,16 @@ struct header {
       case opcode::send:
       case opcode::write:
       case opcode::write_imm:
-      case opcode::read_resp: return length;
+      case opcode::read_resp:
+      case opcode::read_list_resp: return length;
+      case opcode::write_list: return arg0 * list_entry_size + length;
+      case opcode::read_list: return arg0 * list_entry_size;
       default: return 0;
     }
+  }
+  // WRITE_LIST, READ_LIST: the descriptor table's bytes (what precedes the payloads).
+  std::size_t table_length() const noexcept {
+    return op == opcode::write_list || op == opcode::read_list ? arg0 * list_entry_size : 0;
   }
   bool is_request() const noexcept { return static_cast<std::uint8_t>(op) < 16; }
 };
@@ -124,6 +155,18 @@ struct region_view {
 // local pointer, or errc::remote_access_error. Overflow-safe.
 result<std::byte*> check_access(const region_view& r, std::uint64_t addr, std::uint64_t len,
                                 unsigned required, bool atomic) noexcept;
+
+struct list_entry {
+  std::uint64_t addr = 0;
+  std::uint32_t length = 0;
+};
+void encode_list_entry(const list_entry& e, std::span<std::byte, list_entry_size> out) noexcept;
+// Parses a WRITE_LIST's or READ_LIST's table (h.arg0 descriptors, table.size() ==
+// h.table_length()) into `out` (at least h.arg0 long): every length
+// non-zero and at most max_rdma_length, their sum exactly h.length (in 64
+// bits: no overflow), else errc::protocol_error. Bounds and rights are the
+// target's to check (check_access), per descriptor.
+result<void> decode_list_table(const header& h, std::span<const std::byte> table, std::span<list_entry> out) noexcept;
 
 // Access right a request needs (shuttle::access values); 0 for non one-sided.
 unsigned required_access(opcode op) noexcept;

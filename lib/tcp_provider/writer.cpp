@@ -11,6 +11,9 @@ namespace shuttle::detail::tcp_provider {
 
 namespace {
 
+constexpr std::size_t max_iov = 1024;  // IOV_MAX on Linux
+static_assert(2 + max_list_entries <= max_iov - 2);
+
 // Parks the writer until wake_writer.
 struct writer_park {
   conn_state& s;
@@ -27,6 +30,7 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
   std::array<std::byte, header_size> ackh{}, credh{};
   bool ack_waited = false;
   batch.reserve(256);
+  iov.reserve(max_iov);
   while (s->state() == phase::open || s->state() == phase::refusing) {
     if (s->outq.empty() && s->ack_seq == s->ack_sent && s->credits_to_return == 0) {
       if (s->state() == phase::refusing) {
@@ -47,7 +51,11 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
     ack_waited = false;
     batch.clear();
     iov.clear();
-    while (!s->outq.empty() && batch.size() < 256) {
+    // At most 256 frames, and iovecs within the kernel's IOV_MAX (1024; a
+    // list frame takes up to 2 + its entries), 2 left for the ACK and the CREDIT.
+    std::size_t iovs = 0;
+    while (!s->outq.empty() && batch.size() < 256 && iovs + s->outq.front().iov_count() <= max_iov - 2) {
+      iovs += s->outq.front().iov_count();
       batch.push_back(std::move(s->outq.front()));
       s->outq.pop_front();
       s->responses_queued -= batch.back().response;
@@ -55,7 +63,9 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
     if (s->responses_queued < our_responder_ops()) s->responder_room.set();
     for (auto& f : batch) {
       iov.push_back({f.hdr.data(), header_size});
-      if (f.len) iov.push_back({const_cast<std::byte*>(f.payload), f.len});
+      if (!f.table.empty()) iov.push_back({f.table.data(), f.table.size()});
+      if (!f.parts.empty()) iov.insert(iov.end(), f.parts.begin(), f.parts.end());
+      else if (f.len) iov.push_back({const_cast<std::byte*>(f.payload), f.len});
     }
     // A cumulative ACK goes after every response queued before it.
     if (s->outq.empty() && s->ack_seq != s->ack_sent) {

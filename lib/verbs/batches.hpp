@@ -10,6 +10,7 @@ struct conn_state::batch_wait {
   io_context* ctx = nullptr;
   std::coroutine_handle<> h{};
   std::size_t pending = 0;  // chunks posted, not completed
+  std::size_t first_error = SIZE_MAX;  // the lowest index of a WR that completed in error (not flushed)
   std::atomic<bool> cancelled{false};
   using cancel_cb = cancel_in_flight<batch_wait>;
   std::optional<std::stop_callback<cancel_cb>> scb;
@@ -31,17 +32,25 @@ struct conn_state::batch_wait {
 };
 
 struct conn_state::batch_chunk {
+  // Each WR's own wr_id, so that a WR that fails is known by its index
+  // (an unsignaled WR completes too when it fails or is flushed).
   struct ctx : wr_ctx {
     batch_chunk* ch = nullptr;
-  } early, last;  // early: the unsignaled WRs (errors and flushes only); last: the signaled one
+    std::size_t index = 0;  // the WR's (the operation's) index in the batch
+  } last;  // the signaled one; the unsignaled ones' are execute_batch's `wr_ids` (errors and flushes only)
   batch_wait* b = nullptr;
   std::uint32_t slots = 0;
   std::size_t partial = 0;  // ibv_post_send took only a prefix: its WRs, each to be flushed
   ibv_wc_status early_status = IBV_WC_SUCCESS, status = IBV_WC_SUCCESS;
 
+  static void note_error(const ctx* x, const ibv_wc& wc) noexcept {
+    if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR)
+      x->ch->b->first_error = std::min(x->ch->b->first_error, x->index);
+  }
   static void on_early(wr_ctx* w, const ibv_wc& wc) noexcept {
     batch_chunk* ch = static_cast<ctx*>(w)->ch;
     conn_state* c = ch->b->c;
+    note_error(static_cast<ctx*>(w), wc);
     if (wc.status != IBV_WC_SUCCESS && ch->early_status == IBV_WC_SUCCESS) ch->early_status = wc.status;
     if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
     if (ch->partial > 0) {
@@ -52,6 +61,7 @@ struct conn_state::batch_chunk {
   static void on_last(wr_ctx* w, const ibv_wc& wc) noexcept {
     batch_chunk* ch = static_cast<ctx*>(w)->ch;
     conn_state* c = ch->b->c;
+    note_error(static_cast<ctx*>(w), wc);
     ch->status = wc.status;
     --c->outstanding;
     --c->dom->inflight;
@@ -65,9 +75,11 @@ struct conn_state::batch_chunk {
 // local sge); `credit[i]`: it consumes a receive on the peer.
 inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs, std::vector<ibv_sge> sges,
                                                     std::vector<char> credit,
-                                                    std::vector<std::shared_ptr<verbs_region>> keep) {
+                                                    std::vector<std::shared_ptr<verbs_region>> keep,
+                                                    std::size_t* failed) {
   auto self = shared_from_this();
   (void)keep;
+  if (failed) *failed = 0;
   if (!usable()) co_return disconnected();
   // In call order with the other operations (post_order), all of it.
   ordered_turn turn(this);
@@ -75,6 +87,7 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
   if (!order) co_return order.error();
   // Chunks of at most send_queue_depth WRs (at most one per WR).
   std::vector<batch_chunk> chunks(wrs.size());
+  std::vector<batch_chunk::ctx> wr_ids(wrs.size());  // the unsignaled WRs'
   batch_wait b;
   b.c = this;
   b.ctx = dom->loop;
@@ -119,8 +132,8 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
     batch_chunk& ch = chunks[posted];
     ch.b = &b;
     ch.slots = need;
-    ch.early.ch = ch.last.ch = &ch;
-    ch.early.on_wc = &batch_chunk::on_early;
+    ch.last.ch = &ch;
+    ch.last.index = end - 1;
     ch.last.on_wc = &batch_chunk::on_last;
     bool piggybacked = false;
     for (std::size_t i = first; i < end; ++i) {
@@ -128,7 +141,10 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
       wr.sg_list = &sges[i];
       wr.num_sge = sges[i].length > 0 ? 1 : 0;
       wr.next = i + 1 < end ? &wrs[i + 1] : nullptr;
-      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &ch.early : &ch.last));
+      wr_ids[i].ch = &ch;
+      wr_ids[i].index = i;
+      wr_ids[i].on_wc = &batch_chunk::on_early;
+      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &wr_ids[i] : &ch.last));
       if (i + 1 == end) wr.send_flags |= IBV_SEND_SIGNALED;
       if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits, on the chunk's first send
         std::uint32_t n = piggybacked ? 0 : std::min<std::uint32_t>(to_return, 0xffff);
@@ -170,11 +186,13 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
   for (std::size_t k = 0; k < posted; ++k) {
     ibv_wc_status st = chunks[k].early_status != IBV_WC_SUCCESS ? chunks[k].early_status : chunks[k].status;
     if (st == IBV_WC_SUCCESS) continue;
+    if (failed) *failed = b.first_error < wrs.size() ? b.first_error : wrs.size();
     if (b.cancelled.load()) co_return std::make_error_code(std::errc::operation_canceled);
     if (st == IBV_WC_WR_FLUSH_ERR) co_return early ? early : disconnected();
     co_return wc_error(st);
   }
   if (early) {
+    if (failed) *failed = first;  // the first WR not done: every one before it completed
     if (posted > 0) fail(disconnected());  // part of the batch is done: RC has no partial undo
     co_return early;
   }

@@ -128,8 +128,14 @@ class verbs_connection final : public connection_impl {
     return s->local_sge(o.local, need_write, may_inline, wr, sge, may_stage);
   }
 
-  task<result<void>> post_batch(std::span<const operation> ops) override {
+  task<result<void>> post_batch(std::span<const operation> ops) override { return post_batch_to(ops, nullptr); }
+  task<result<void>> post_batch_at(std::span<const operation> ops, std::size_t& failed) override {
+    return post_batch_to(ops, &failed);
+  }
+  // `failed`, where given: on an error, the failing operation's index (ops.size(): not known).
+  task<result<void>> post_batch_to(std::span<const operation> ops, std::size_t* failed) {
     auto s = s_;
+    if (failed) *failed = 0;
     if (ops.empty()) co_return result<void>{};
     std::vector<ibv_send_wr> wrs(ops.size());
     std::vector<ibv_sge> sges(ops.size());
@@ -138,14 +144,17 @@ class verbs_connection final : public connection_impl {
     for (std::size_t i = 0; i < ops.size(); ++i) {
       bool cr = false;
       auto r = build_wr(s.get(), ops[i], wrs[i], sges[i], cr);
-      if (!r) co_return r.error();
+      if (!r) {
+        if (failed) *failed = i;
+        co_return r.error();
+      }
       credit[i] = cr;
       if (s->dom->op_owned)
         keep.push_back(std::move(s->dom->op_owned));  // this operation's own staging slot or registration
       else if (*r && (keep.empty() || keep.back().get() != *r))
         keep.push_back(core::hold(*r));
     }
-    co_return co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep));
+    co_return co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep), failed);
   }
 
   task<result<void>> close() override {

@@ -12,6 +12,7 @@
 
 #include <shuttle/transport.hpp>
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -89,6 +90,38 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         }
         break;
       }
+      case opcode::write_list:
+      case opcode::read_list: {
+        // As the reader: the whole table parsed, every descriptor checked
+        // before its payload is placed (or read); the first refused one ends it.
+        const bool write = h->op == opcode::write_list;
+        std::array<list_entry, max_list_entries> es{};
+        if (!decode_list_table(*h, body.first(h->table_length()), es)) return 0;  // protocol error
+        auto data = body.subspan(h->table_length());
+        std::uint64_t sum = 0;
+        for (std::size_t i = 0; i < h->arg0; ++i) sum += es[i].length;
+        if (sum != h->length || data.size() != (write ? sum : 0)) fail();  // the decoder must have refused it
+        region_view view;
+        if (h->rkey == fuzz_rkey) view = {base, region_size, rights};
+        for (std::size_t i = 0; i < h->arg0; ++i) {
+          const std::uint64_t addr = reinterpret_cast<std::uint64_t>(base) + (es[i].addr - fuzz_base);
+          auto target = check_access(view, addr, es[i].length, required_access(h->op), false);
+          if (!target) return 0;  // NAK
+          std::byte* p = *target;
+          if (p < base || p + es[i].length > base + region_size) fail();
+          if ((rights & required_access(h->op)) != required_access(h->op)) fail();
+          if (write) {
+            std::memcpy(p, data.data(), es[i].length);
+            data = data.subspan(es[i].length);
+          } else {
+            std::memcpy(readback.get(), p, es[i].length);
+          }
+        }
+        break;
+      }
+      case opcode::read_list_resp:
+        if (body.size() > max_rdma_length || h->arg0 == 0 || h->arg0 > max_list_entries) fail();
+        break;
       case opcode::read_resp:
         if (body.size() > max_rdma_length) fail();
         break;

@@ -15,7 +15,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
+#include <optional>
 #include <thread>
 
 using namespace shuttle;
@@ -409,6 +412,487 @@ TEST_CASE("raw peer: a hello announcing a payload over the bound, or cut short, 
       CHECK(c.error() == make_error_code(errc::message_too_long));
     };
     co_await when_all(raw_server(), client());
+    l.close();
+  }());
+}
+
+// ------------------------------------------------------------- WRITE_LIST
+
+namespace {
+
+// The target's memory: 3 KiB of 0x77; [1024, 2048) registered with every
+// right, [2560, 2624) with remote read only.
+struct list_target {
+  std::vector<std::byte> mem = std::vector<std::byte>(3 * 1024, std::byte{0x77});
+  std::span<std::byte> rw() { return std::span(mem).subspan(1024, 1024); }
+  std::span<std::byte> ro() { return std::span(mem).subspan(2560, 64); }
+  // Bytes of [from, to) of rw() all `v`.
+  bool rw_is(std::size_t from, std::size_t to, std::byte v) {
+    auto s = rw().subspan(from, to - from);
+    return std::all_of(s.begin(), s.end(), [v](std::byte b) { return b == v; });
+  }
+  bool untouched_outside_rw() {
+    auto same77 = [](std::span<const std::byte> s) {
+      return std::all_of(s.begin(), s.end(), [](std::byte b) { return b == std::byte{0x77}; });
+    };
+    return same77(std::span(mem).first(1024)) && same77(std::span(mem).subspan(2048));
+  }
+};
+
+// A WRITE_LIST of `es` (seq `seq` on): header, table, then descriptor i's
+// payload filled with 0x10 + i. `length` and `count` override the header's.
+std::vector<std::byte> list_frame(std::uint64_t seq, std::uint32_t rkey, const std::vector<list_entry>& es,
+                                  std::optional<std::uint32_t> length = {}, std::optional<std::uint64_t> count = {}) {
+  header h;
+  h.op = opcode::write_list;
+  h.seq = seq;
+  h.rkey = rkey;
+  h.arg0 = count.value_or(es.size());
+  std::uint64_t sum = 0;
+  for (const auto& e : es) sum += e.length;
+  h.length = length.value_or(static_cast<std::uint32_t>(sum));
+  std::vector<std::byte> v;
+  append(v, h);
+  for (const auto& e : es) {
+    std::array<std::byte, list_entry_size> b{};
+    encode_list_entry(e, b);
+    v.insert(v.end(), b.begin(), b.end());
+  }
+  // At most 64 KiB of each (the lying cases claim GiBs, and are refused at the table).
+  for (std::size_t i = 0; i < es.size(); ++i)
+    v.insert(v.end(), std::min<std::size_t>(es[i].length, 65536), static_cast<std::byte>(0x10 + i));
+  return v;
+}
+
+struct list_outcome {
+  std::vector<header> got;       // the target's frames after its hello, until it closed
+  std::vector<std::vector<std::byte>> payloads;  // each one's payload
+  std::error_code app_error;     // what the accepted connection's recv failed with
+};
+
+// A raw peer completes the hello, sends `parts` with a pause between each
+// (a frame split across writes), half-closes, and reads the target's frames
+// until it closes.
+using list_maker = std::function<std::vector<std::vector<std::byte>>(remote_buffer rw, remote_buffer ro)>;
+task<list_outcome> run_list(list_target& t, list_maker make, std::uint64_t await_ack = 0) {
+  auto d = domain::open(tcp_options()).value();
+  auto rw = d.register_memory(t.rw(), access::all).value();
+  auto ro = d.register_memory(t.ro(), access::local_write | access::remote_read).value();
+  auto l = d.listen(endpoint::loopback(0)).value();
+  auto ep = endpoint::loopback(l.local_endpoint()->port());
+  auto parts = make(rw.remote(), ro.remote());
+  list_outcome out;
+  auto raw = [&]() -> task<void> {
+    auto s = (co_await tcp_socket::connect(ep)).value();
+    (void)co_await s.write_all(hello_bytes());
+    std::array<std::byte, hello_size> theirs{};
+    REQUIRE((co_await with_timeout(s.read_exact(theirs), 30s)).has_value());
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      if (i) (void)co_await sleep_for(10ms);
+      (void)co_await s.write_all(parts[i]);
+    }
+    // Half-closed at once, or once the ACK of `await_ack` came (the
+    // target's end of stream would otherwise race its ACK).
+    bool shut = false;
+    if (await_ack == 0) shut = s.shutdown(SHUT_WR).has_value();
+    for (;;) {
+      std::array<std::byte, header_size> hb{};
+      auto r = co_await with_timeout(s.read_exact(hb), 30s);
+      if (!r) break;
+      auto h = decode_header(hb, limits{});
+      REQUIRE(h.has_value());
+      out.got.push_back(*h);
+      std::vector<std::byte> payload(h->payload_length());
+      if (!payload.empty() && !co_await with_timeout(s.read_exact(payload), 30s)) break;
+      out.payloads.push_back(std::move(payload));
+      if (!shut && h->op == opcode::ack && h->seq >= await_ack) shut = s.shutdown(SHUT_WR).has_value();
+    }
+  };
+  auto server = [&]() -> task<void> {
+    auto c = (co_await accept_within_limit(l)).value();
+    auto m = co_await with_timeout(c.recv(), 30s);
+    REQUIRE_FALSE(m.has_value());  // the raw peer sends no message
+    out.app_error = m.error();
+    (void)co_await c.close();
+  };
+  co_await when_all(raw(), server());
+  l.close();
+  co_return out;
+}
+
+bool all_equal_to(std::span<const std::byte> s, std::byte v) {
+  return std::all_of(s.begin(), s.end(), [v](std::byte b) { return b == v; });
+}
+
+// The NAKs among `got`.
+std::vector<header> naks(const list_outcome& o) {
+  std::vector<header> v;
+  for (const auto& h : o.got)
+    if (h.op == opcode::nak) v.push_back(h);
+  return v;
+}
+std::uint64_t last_ack(const list_outcome& o) {
+  std::uint64_t a = 0;
+  for (const auto& h : o.got)
+    if (h.op == opcode::ack) a = std::max(a, h.seq);
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("raw peer: a WRITE_LIST split across writes lands whole, every descriptor acknowledged") {
+  io_context ctx;
+  list_target t;
+  list_outcome o;
+  ctx.run([&]() -> task<void> {
+    o = co_await run_list(t, [](remote_buffer rw, remote_buffer) {
+      auto f = list_frame(1, rw.rkey, {{rw.address, 100}, {rw.address + 500, 200}, {rw.address + 1000, 24}});
+      auto g = list_frame(4, rw.rkey, {{rw.address + 200, 10}, {rw.address + 300, 10}});
+      // Cut inside the header, inside the table, inside the second payload.
+      const std::size_t cuts[] = {20, header_size + 18, header_size + 3 * list_entry_size + 150, f.size()};
+      std::vector<std::vector<std::byte>> parts;
+      std::size_t at = 0;
+      for (std::size_t c : cuts) {
+        parts.emplace_back(f.begin() + static_cast<std::ptrdiff_t>(at), f.begin() + static_cast<std::ptrdiff_t>(c));
+        at = c;
+      }
+      parts.push_back(g);
+      return parts;
+    }, 5);
+  }());
+  CHECK(naks(o).empty());
+  CHECK(last_ack(o) == 5);
+  CHECK(o.app_error != make_error_code(errc::protocol_error));
+  CHECK(t.rw_is(0, 100, std::byte{0x10}));
+  CHECK(t.rw_is(100, 200, std::byte{0x77}));
+  CHECK(t.rw_is(200, 210, std::byte{0x10}));
+  CHECK(t.rw_is(300, 310, std::byte{0x11}));
+  CHECK(t.rw_is(500, 700, std::byte{0x11}));
+  CHECK(t.rw_is(700, 1000, std::byte{0x77}));
+  CHECK(t.rw_is(1000, 1024, std::byte{0x12}));
+  CHECK(t.untouched_outside_rw());
+}
+
+TEST_CASE("raw peer: a WRITE_LIST descriptor the region refuses is NAKed with its seq; earlier ones done, none after") {
+  struct refusal {
+    const char* what;
+    std::function<std::vector<list_entry>(remote_buffer rw, remote_buffer ro)> entries;
+    bool use_ro_key = false, forge_key = false;
+    std::size_t refused;  // the index of the refused descriptor
+  };
+  const refusal cases[] = {
+      {"past the region's end",
+       [](remote_buffer rw, remote_buffer) {
+         return std::vector<list_entry>{
+             {rw.address, 16}, {rw.address + 100, 16}, {rw.address + 1020, 8}, {rw.address + 200, 16}};
+       },
+       false, false, 2},
+      {"before the region",
+       [](remote_buffer rw, remote_buffer) {
+         return std::vector<list_entry>{{rw.address, 16}, {rw.address - 8, 16}};
+       },
+       false, false, 1},
+      {"an address that wraps",
+       [](remote_buffer rw, remote_buffer) {
+         return std::vector<list_entry>{{rw.address, 16}, {rw.address + 100, 16}, {~std::uint64_t(0) - 7, 16}};
+       },
+       false, false, 2},
+      {"a forged key",
+       [](remote_buffer rw, remote_buffer) {
+         return std::vector<list_entry>{{rw.address, 16}, {rw.address + 100, 16}};
+       },
+       false, true, 0},
+      {"a region without remote write",
+       [](remote_buffer, remote_buffer ro) {
+         return std::vector<list_entry>{{ro.address, 16}};
+       },
+       true, false, 0},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    io_context ctx;
+    list_target t;
+    list_outcome o;
+    ctx.run([&]() -> task<void> {
+      o = co_await run_list(t, [&](remote_buffer rw, remote_buffer ro) {
+        std::uint32_t key = c.use_ro_key ? ro.rkey : rw.rkey;
+        if (c.forge_key) key ^= 0x5555;
+        return std::vector<std::vector<std::byte>>{list_frame(7, key, c.entries(rw, ro))};
+      });
+    }());
+    auto n = naks(o);
+    REQUIRE(n.size() == 1);
+    CHECK(n[0].seq == 7 + c.refused);
+    CHECK(n[0].st == status::remote_access_error);
+    CHECK(o.app_error == make_error_code(errc::peer_access_refused));
+    // The descriptors before the refused one (16 bytes at 0 and at 100) are done.
+    CHECK(t.rw_is(0, 16, c.refused > 0 ? std::byte{0x10} : std::byte{0x77}));
+    CHECK(t.rw_is(100, 116, c.refused > 1 ? std::byte{0x11} : std::byte{0x77}));
+    CHECK(t.rw_is(16, 100, std::byte{0x77}));
+    CHECK(t.rw_is(116, 1024, std::byte{0x77}));
+    CHECK(t.untouched_outside_rw());
+  }
+}
+
+TEST_CASE("raw peer: a WRITE_LIST whose framing lies is a protocol error, nothing written") {
+  struct lie {
+    const char* what;
+    std::function<std::vector<std::byte>(remote_buffer rw)> frame;
+  };
+  const lie cases[] = {
+      {"lengths that do not add up to the frame's",
+       [](remote_buffer rw) { return list_frame(1, rw.rkey, {{rw.address, 10}, {rw.address + 20, 10}}, 30); }},
+      {"a count over the descriptors sent (payload read as table)",
+       [](remote_buffer rw) { return list_frame(1, rw.rkey, {{rw.address, 16}, {rw.address + 20, 16}}, 32, 4); }},
+      {"an empty descriptor",
+       [](remote_buffer rw) { return list_frame(1, rw.rkey, {{rw.address, 10}, {rw.address + 20, 0}, {rw.address + 40, 10}}); }},
+      {"lengths whose 32-bit sum wraps to the frame's",
+       [](remote_buffer rw) {
+         return list_frame(1, rw.rkey, {{rw.address, 0x80000000u}, {rw.address, 0x80000000u}, {rw.address, 3}}, 3);
+       }},
+      {"a descriptor over max_rdma_length",
+       [](remote_buffer rw) { return list_frame(1, rw.rkey, {{rw.address, 0xFFFFFFFFu}, {rw.address, 3}}, 2); }},
+      {"no descriptor",
+       [](remote_buffer rw) { return list_frame(1, rw.rkey, {{rw.address, 8}}, 8, 0); }},
+      {"more descriptors than a frame may carry",
+       [](remote_buffer rw) { return list_frame(1, rw.rkey, {{rw.address, 8}}, 300, max_list_entries + 1); }},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    io_context ctx;
+    list_target t;
+    list_outcome o;
+    ctx.run([&]() -> task<void> {
+      o = co_await run_list(t, [&](remote_buffer rw, remote_buffer) {
+        return std::vector<std::vector<std::byte>>{c.frame(rw)};
+      });
+    }());
+    CHECK(naks(o).empty());
+    CHECK(last_ack(o) == 0);
+    CHECK(o.app_error == make_error_code(errc::protocol_error));
+    CHECK(t.rw_is(0, 1024, std::byte{0x77}));
+    CHECK(t.untouched_outside_rw());
+  }
+}
+
+TEST_CASE("raw peer: a WRITE_LIST cut short by EOF mid-payload fails the connection; nothing outside its descriptors") {
+  io_context ctx;
+  list_target t;
+  list_outcome o;
+  ctx.run([&]() -> task<void> {
+    o = co_await run_list(t, [](remote_buffer rw, remote_buffer) {
+      auto f = list_frame(1, rw.rkey, {{rw.address, 100}, {rw.address + 500, 200}});
+      f.resize(header_size + 2 * list_entry_size + 150);
+      return std::vector<std::vector<std::byte>>{f};
+    });
+  }());
+  CHECK(naks(o).empty());
+  CHECK(last_ack(o) == 0);  // neither descriptor is acknowledged
+  CHECK(o.app_error != make_error_code(errc::protocol_error));
+  CHECK(t.rw_is(0, 100, std::byte{0x10}));
+  CHECK(t.rw_is(100, 500, std::byte{0x77}));
+  CHECK(t.rw_is(550, 1024, std::byte{0x77}));
+  CHECK(t.untouched_outside_rw());
+}
+
+TEST_CASE("raw peer: a READ_LIST is answered for the descriptors before a refused one, which is NAKed") {
+  io_context ctx;
+  list_target t;
+  list_outcome o;
+  ctx.run([&]() -> task<void> {
+    o = co_await run_list(t, [](remote_buffer rw, remote_buffer) {
+      header r;
+      r.op = opcode::read_list;
+      r.seq = 2;
+      r.rkey = rw.rkey;
+      const std::vector<list_entry> es{{rw.address, 16}, {rw.address + 40, 4}, {rw.address + 1020, 8}, {rw.address, 4}};
+      r.arg0 = es.size();
+      r.length = 32;
+      std::vector<std::byte> f;
+      append(f, r);
+      for (const auto& e : es) {
+        std::array<std::byte, list_entry_size> b{};
+        encode_list_entry(e, b);
+        f.insert(f.end(), b.begin(), b.end());
+      }
+      // A WRITE_LIST first puts 0x10 at [0, 16) and 0x11 at [40, 44).
+      return std::vector<std::vector<std::byte>>{list_frame(1, rw.rkey, {{rw.address, 16}, {rw.address + 40, 4}}), f};
+    });
+  }());
+  std::size_t resp = o.got.size();
+  for (std::size_t i = 0; i < o.got.size(); ++i)
+    if (o.got[i].op == opcode::read_list_resp) resp = i;
+  REQUIRE(resp < o.got.size());
+  CHECK(o.got[resp].seq == 2);
+  CHECK(o.got[resp].arg0 == 2);
+  CHECK(o.got[resp].length == 20);
+  std::vector<std::byte> want(16, std::byte{0x10});
+  want.insert(want.end(), 4, std::byte{0x11});
+  CHECK(o.payloads[resp] == want);
+  auto n = naks(o);
+  REQUIRE(n.size() == 1);
+  CHECK(n[0].seq == 4);  // descriptor 2
+  CHECK(o.app_error == make_error_code(errc::peer_access_refused));
+  CHECK(t.untouched_outside_rw());
+}
+
+TEST_CASE("raw server: a READ_LIST_RESP that does not match the READs pending is a protocol error") {
+  // The raw server announces list frames, answers one single READ (so the
+  // client has read the announcement), then answers the client's READ_LIST
+  // with a lie: one byte more, one read more, or the wrong seq.
+  struct lie {
+    const char* what;
+    std::uint64_t seq_delta, count_delta;
+    std::uint32_t length_delta;
+  };
+  const lie cases[] = {{"one byte more", 0, 0, 1}, {"one read more", 0, 1, 0}, {"a later seq", 1, 0, 0}};
+  for (const auto& c : cases) {
+    INFO(c.what);
+    io_context ctx;
+    ctx.run([&c]() -> task<void> {
+      auto d = domain::open(tcp_options()).value();
+      auto raw_l = tcp_listener::bind(endpoint::loopback(0)).value();
+      auto raw_server = [&]() -> task<void> {
+        auto s = (co_await raw_l.accept()).value();
+        std::vector<std::byte> out = hello_bytes();
+        header announce;
+        announce.op = opcode::ack;
+        append(out, announce);
+        (void)co_await s.write_all(out);
+        std::array<std::byte, hello_size> theirs{};
+        if (!co_await with_timeout(s.read_exact(theirs), 30s)) co_return;
+        for (;;) {
+          std::array<std::byte, header_size> hb{};
+          if (!co_await with_timeout(s.read_exact(hb), 30s)) co_return;
+          auto h = decode_header(hb, limits{});
+          if (!h) co_return;
+          std::vector<std::byte> body(h->payload_length());
+          if (!body.empty() && !co_await with_timeout(s.read_exact(body), 30s)) co_return;
+          std::vector<std::byte> reply;
+          if (h->op == opcode::read_req) {
+            header r;
+            r.op = opcode::read_resp;
+            r.seq = h->seq;
+            r.length = h->length;
+            append(reply, r, h->length, std::byte{0x42});
+          } else if (h->op == opcode::read_list) {
+            header r;
+            r.op = opcode::read_list_resp;
+            r.seq = h->seq + c.seq_delta;
+            r.arg0 = h->arg0 + c.count_delta;
+            r.length = h->length + c.length_delta;
+            append(reply, r, r.length, std::byte{0x43});
+          } else {
+            continue;
+          }
+          if (!co_await s.write_all(reply)) co_return;
+        }
+      };
+      auto client = [&]() -> task<void> {
+        auto conn = co_await d.connect(endpoint::loopback(raw_l.local_endpoint()->port()));
+        REQUIRE(conn.has_value());
+        std::vector<std::byte> local(4096, std::byte{0x5A});
+        auto one = co_await conn->read(std::span(local).first(8), remote_buffer{0x1000, 7, 1 << 20});
+        REQUIRE(one.has_value());
+        CHECK(all_equal_to(std::span(local).first(8), std::byte{0x42}));
+        std::vector<block> blocks;
+        for (std::uint64_t i = 0; i < 4; ++i) blocks.push_back({1024 + i * 512, i * 512, 100});
+        auto r = co_await conn->read_blocks(local, remote_buffer{0x1000, 7, 1 << 20}, blocks);
+        REQUIRE_FALSE(r.has_value());
+        CHECK(r.error() == make_error_code(errc::protocol_error));
+        CHECK(all_equal_to(std::span(local).subspan(8), std::byte{0x5A}));  // no byte of the lie placed
+        CHECK_FALSE(conn->is_open());
+      };
+      co_await when_all(raw_server(), client());
+    }());
+  }
+}
+
+TEST_CASE("raw peer: a flood of WRITE_LIST frames does not starve another connection") {
+  // As the no-op flood above, with valid WRITE_LIST frames (64 descriptors
+  // of 32 bytes each) between the markers: the reader takes a bounded share
+  // of each loop turn however many descriptors a frame carries, and holds
+  // one table at a time.
+  static constexpr int markers = 21, lists_between = 600;
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto d = domain::open(tcp_options()).value();
+    std::vector<std::byte> mem(4096, std::byte{0});
+    auto mr = d.register_memory(mem, access::all).value();
+    auto l = d.listen(endpoint::loopback(0)).value();
+    good_pair g;
+    co_await connect_good(l, g);
+
+    std::vector<list_entry> es;
+    for (std::uint64_t i = 0; i < 64; ++i) es.push_back({mr.remote().address + i * 64, 32});
+    std::vector<std::byte> stream = hello_bytes();
+    std::uint64_t seq = 1;
+    for (int i = 0; i < markers; ++i) {
+      header m;
+      m.op = opcode::send;
+      m.seq = seq++;
+      m.length = 1;
+      append(stream, m, 1, static_cast<std::byte>(i));
+      if (i + 1 < markers)
+        for (int k = 0; k < lists_between; ++k) {
+          auto f = list_frame(seq, mr.rkey(), es);
+          seq += es.size();
+          stream.insert(stream.end(), f.begin(), f.end());
+        }
+    }
+    std::atomic<bool> prefilled{false};
+    raw_thread flood(l.local_endpoint()->port(), 0, [&](int fd) {
+      std::size_t at = 0;
+      int fl = ::fcntl(fd, F_GETFL);
+      ::fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+      bool ok = send_from(fd, stream, &at);
+      ::fcntl(fd, F_SETFL, fl);
+      prefilled = true;
+      if (ok && send_from(fd, stream, &at)) drain_until_closed(fd);
+    });
+    REQUIRE(co_await wait_flag(prefilled));
+    auto fc = (co_await accept_within_limit(l)).value();
+
+    std::vector<unsigned> rounds_at(markers);
+    unsigned rounds = 0;
+    bool flood_done = false, good_ok = true;
+    auto pinger = [&]() -> task<void> {
+      while (!flood_done && good_ok) {
+        good_ok = co_await good_round(g, rounds);
+        ++rounds;
+      }
+    };
+    auto flood_app = [&]() -> task<void> {
+      for (int i = 0; i < markers; ++i) {
+        auto m = co_await with_timeout(fc.recv(), 60s);
+        if (!m) {
+          FAIL_CHECK("marker " << i << ": " << m.error().message());
+          break;
+        }
+        CHECK(m->data().size() == 1);
+        CHECK(m->data()[0] == static_cast<std::byte>(i));
+        rounds_at[i] = rounds;
+      }
+      flood_done = true;
+    };
+    co_await when_all(pinger(), flood_app());
+    CHECK(good_ok);
+    int starved = 0;
+    for (int i = 1; i < markers; ++i) starved += rounds_at[i] == rounds_at[i - 1];
+    CHECK(starved == 0);
+    INFO("good round trips during the flood: " << rounds_at[markers - 1] - rounds_at[0]);
+    CHECK(fc.is_open());
+    // Every descriptor's payload landed: 32 bytes of 0x10 + i at i * 64, nothing between.
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < 64; ++i) {
+      bad += !std::all_of(mem.begin() + i * 64, mem.begin() + i * 64 + 32,
+                          [i](std::byte b) { return b == static_cast<std::byte>(0x10 + i); });
+      bad += !std::all_of(mem.begin() + i * 64 + 32, mem.begin() + i * 64 + 64, [](std::byte b) { return b == std::byte{0}; });
+    }
+    CHECK(bad == 0);
+    (void)co_await fc.close();
+    (void)co_await g.client.close();
+    (void)co_await g.server.close();
     l.close();
   }());
 }

@@ -249,7 +249,9 @@ TEST_CASE("a burst past max_handshakes and accept_backlog is served in turn, non
       for (int turn = 0; turn < 3; ++turn) (void)co_await sleep_for(1ms);
     }
     for (auto& p : peers) {
-      CHECK((co_await read_until(p, wire::hello_size, false)).bytes == wire::hello_size);
+      // The server's hello, and its first frame: it reads WRITE_LIST (an ACK of seq 0, wire.hpp).
+      CHECK((co_await read_until(p, wire::hello_size + wire::header_size, false)).bytes ==
+            wire::hello_size + wire::header_size);
       CHECK(still_pending(p));  // answered and kept, not closed after its handshake
     }
     CHECK(told.empty());
@@ -321,7 +323,9 @@ TEST_CASE("idle connections hold no receive buffer (under 100 KiB each)") {
       REQUIRE_MESSAGE(c.has_value(), "accept " << i << ": " << c.error().message());
       accepted.push_back(std::move(*c));
     }
-    for (auto& p : peers) CHECK((co_await read_until(p, wire::hello_size, false)).bytes == wire::hello_size);
+    for (auto& p : peers)  // the hello and the WRITE_LIST announcement (wire.hpp)
+      CHECK((co_await read_until(p, wire::hello_size + wire::header_size, false)).bytes ==
+            wire::hello_size + wire::header_size);
     const std::size_t buffer_bytes = detail::tcp_receive_buffer_bytes() - buffers_before;
     const long rss_growth = rss_kib() - rss_before;
     std::printf("%zu idle tcp-provider connections: %zu bytes of receive buffers (%zu per connection); "

@@ -75,8 +75,13 @@ TEST_CASE("close() while refusing the peer, with an operation pending, returns o
           encode_hello(hh, mine);
           REQUIRE((co_await s.write_all(mine)).has_value());
           REQUIRE((co_await with_timeout(s.read_exact(theirs), 30s)).has_value());
-          // The server's SEND, read and never acknowledged.
+          // The server's first frame says it reads WRITE_LIST (an ACK of seq 0, wire.hpp).
           std::array<std::byte, header_size> hb{};
+          REQUIRE((co_await with_timeout(s.read_exact(hb), 30s)).has_value());
+          auto announce = decode_header(hb, limits{});
+          REQUIRE(announce.has_value());
+          CHECK((announce->op == opcode::ack && announce->seq == 0));
+          // The server's SEND, read and never acknowledged.
           REQUIRE((co_await with_timeout(s.read_exact(hb), 30s)).has_value());
           auto sent = decode_header(hb, limits{});
           REQUIRE(sent.has_value());

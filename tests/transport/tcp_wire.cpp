@@ -162,6 +162,95 @@ TEST_CASE("wire: access checks are exact and overflow-safe") {
   CHECK_FALSE(check_access(region_view{}, base, 8, access::remote_read, false).has_value());
 }
 
+TEST_CASE("wire: WRITE_LIST header and descriptor table are checked whole") {
+  limits lim;
+  header l;
+  l.op = opcode::write_list;
+  l.seq = 9;
+  l.rkey = 5;
+  l.arg0 = 3;
+  l.length = 30;
+  auto d = decode_header(enc(l), lim);
+  REQUIRE(d.has_value());
+  CHECK(d->is_request());
+  CHECK(d->table_length() == 3 * list_entry_size);
+  CHECK(d->payload_length() == 3 * list_entry_size + 30);
+  CHECK(required_access(opcode::write_list) == access::remote_write);
+  header rl = l;  // READ_LIST: the table only
+  rl.op = opcode::read_list;
+  REQUIRE(decode_header(enc(rl), lim).has_value());
+  CHECK(decode_header(enc(rl), lim)->payload_length() == 3 * list_entry_size);
+  CHECK(required_access(opcode::read_list) == access::remote_read);
+  header rr;  // READ_LIST_RESP: the payloads only, no target
+  rr.op = opcode::read_list_resp;
+  rr.seq = 9;
+  rr.arg0 = 3;
+  rr.length = 30;
+  REQUIRE(decode_header(enc(rr), lim).has_value());
+  CHECK_FALSE(decode_header(enc(rr), lim)->is_request());
+  CHECK(decode_header(enc(rr), lim)->payload_length() == 30);
+  rr.rkey = 5;
+  CHECK(proto(decode_header(enc(rr), lim).error()));
+  rr.rkey = 0;
+  rr.arg0 = 0;
+  CHECK(proto(decode_header(enc(rr), lim).error()));
+  rr.arg0 = 31;  // more reads than bytes
+  CHECK(proto(decode_header(enc(rr), lim).error()));
+  auto bad = [&](auto&& change) {
+    header b = l;
+    change(b);
+    return proto(decode_header(enc(b), lim).error());
+  };
+  CHECK(bad([](header& b) { b.arg0 = 0; }));                     // no descriptor
+  CHECK(bad([](header& b) { b.arg0 = max_list_entries + 1; }));  // over the cap
+  CHECK(bad([](header& b) { b.arg0 = std::uint64_t(1) << 40; }));
+  CHECK(bad([](header& b) { b.length = 2; }));                   // fewer bytes than descriptors
+  CHECK(bad([](header& b) { b.length = std::uint32_t(max_rdma_length) + 1; }));
+  CHECK(bad([](header& b) { b.addr = 0x1000; }));                // addresses are the descriptors'
+  CHECK(bad([](header& b) { b.arg1 = 1; }));
+  CHECK(bad([](header& b) {
+    b.flags = flag_imm;
+    b.imm = 1;
+  }));
+  CHECK(decode_header(enc([&] {
+                        header m = l;
+                        m.arg0 = max_list_entries;
+                        m.length = max_list_entries;
+                        return m;
+                      }()),
+                      lim)
+            .has_value());
+
+  auto table = [](std::initializer_list<list_entry> es) {
+    std::vector<std::byte> t(es.size() * list_entry_size);
+    std::size_t i = 0;
+    for (const auto& e : es) encode_list_entry(e, std::span(t).subspan(i++ * list_entry_size).first<list_entry_size>());
+    return t;
+  };
+  std::array<list_entry, max_list_entries> out{};
+  auto t = table({{0x1000, 10}, {0x2000, 5}, {0xFFFFFFFFFFFFFFF0, 15}});
+  REQUIRE(decode_list_table(l, t, out).has_value());
+  CHECK(out[0].addr == 0x1000);
+  CHECK(out[1].length == 5);
+  CHECK(out[2].addr == 0xFFFFFFFFFFFFFFF0);  // the address is the target's to check (check_access)
+  CHECK(out[2].length == 15);
+  auto refused = [&](const header& h, std::span<const std::byte> tb) {
+    auto r = decode_list_table(h, tb, out);
+    return !r && proto(r.error());
+  };
+  CHECK(refused(l, table({{0x1000, 10}, {0x2000, 5}, {0x3000, 14}})));   // lengths sum to 29, not 30
+  CHECK(refused(l, table({{0x1000, 10}, {0x2000, 0}, {0x3000, 20}})));   // an empty descriptor
+  CHECK(refused(l, std::span(t).first(2 * list_entry_size)));             // the table is cut short
+  header wrap = l;  // lengths whose 32-bit sum wraps to the header's
+  wrap.length = 3;
+  CHECK(refused(wrap, table({{0x1000, 0x80000000u}, {0x2000, 0x80000000u}, {0x3000, 3}})));
+  CHECK(refused(wrap, table({{0x1000, 0xFFFFFFFFu}, {0x2000, 2}, {0x3000, 2}})));  // over max_rdma_length
+  header w;  // not a WRITE_LIST
+  w.op = opcode::write;
+  w.length = 30;
+  CHECK(refused(w, t));
+}
+
 TEST_CASE("wire: fuzz entry point on random and mutated inputs") {
   std::mt19937_64 rng(12345);
   // Valid streams, then mutated.
@@ -177,14 +266,30 @@ TEST_CASE("wire: fuzz entry point on random and mutated inputs") {
     int frames = 1 + static_cast<int>(rng() % 6);
     for (int f = 0; f < frames; ++f) {
       header fr;
-      fr.op = static_cast<opcode>(std::array{1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20}[rng() % 11]);
+      fr.op = static_cast<opcode>(std::array{1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18, 19, 20, 21}[rng() % 14]);
       fr.seq = rng() % 10;
       fr.addr = 0x10000 + (rng() % 300) - 20;
       fr.rkey = rng() % 4 ? 0x1234 : static_cast<std::uint32_t>(rng());
       fr.length = static_cast<std::uint32_t>(rng() % 300);
       if (fr.op == opcode::cas || fr.op == opcode::faa) fr.length = 8;
+      std::vector<std::uint8_t> table;
+      if (fr.op == opcode::read_list_resp) fr.arg0 = 1 + rng() % 4;
+      if (fr.op == opcode::write_list || fr.op == opcode::read_list) {  // 1-4 descriptors around the region; lengths that (mostly) add up
+        fr.addr = 0;
+        fr.arg0 = 1 + rng() % 4;
+        fr.length = 0;
+        for (std::uint64_t e = 0; e < fr.arg0; ++e) {
+          list_entry le{0x10000 + (rng() % 300) - 20, static_cast<std::uint32_t>(1 + rng() % 100)};
+          std::array<std::byte, list_entry_size> eb{};
+          encode_list_entry(le, eb);
+          for (auto b : eb) table.push_back(std::to_integer<std::uint8_t>(b));
+          fr.length += le.length;
+        }
+        if (rng() % 8 == 0) fr.length += static_cast<std::uint32_t>(rng() % 3) - 1;
+      }
       for (auto b : enc(fr)) in.push_back(std::to_integer<std::uint8_t>(b));
-      for (std::size_t i = 0; i < fr.payload_length(); ++i) in.push_back(static_cast<std::uint8_t>(rng()));
+      in.insert(in.end(), table.begin(), table.end());
+      for (std::size_t i = table.size(); i < fr.payload_length(); ++i) in.push_back(static_cast<std::uint8_t>(rng()));
     }
     int mutations = static_cast<int>(rng() % 4);
     for (int m = 0; m < mutations && !in.empty(); ++m) in[rng() % in.size()] ^= static_cast<std::uint8_t>(1u << (rng() % 8));
