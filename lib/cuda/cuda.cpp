@@ -56,6 +56,11 @@ std::string describe_device(int dev) {
 }
 
 namespace detail {
+// local_hooks.cpp: its installer gives the local provider GPU memory; this
+// reference keeps it in a static link of any program using this layer.
+extern const int local_hooks_anchor;
+[[gnu::used]] const int* const keep_local_hooks = &local_hooks_anchor;
+
 const driver_api& driver() {
   static driver_api api;
   static std::once_flag once;

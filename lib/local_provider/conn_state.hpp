@@ -19,7 +19,10 @@
 
 #include "../tcp_provider/conn_state.hpp"
 
+#include <shuttle/sync.hpp>
+
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <unordered_map>
 
@@ -38,13 +41,28 @@ struct mapping {
 // One of the peer's regions as its answer described it.
 struct peer_region {
   bool ok = false;  // refused: accessed through the socket
+  bool gpu = false;  // GPU memory (imported through device_hooks): copies on the GPU, never the socket
+  std::error_code unusable;  // a GPU region we could not import: its accesses fail with this
   std::uint32_t rkey = 0;
   std::uint32_t slot = 0;
   std::uint32_t access = 0;
   std::uint64_t addr = 0;
   std::uint64_t length = 0;
   std::byte* at = nullptr;  // `addr` in our mapping
-  std::shared_ptr<mapping> map;
+  std::shared_ptr<void> map;  // the mapping (a mapping, or an import), held by accesses in flight too
+};
+
+// A connection's copy queue (device_hooks: a stream), opened on its first
+// GPU copy, closed with the connection.
+struct gpu_queue {
+  const device_hooks* hooks = nullptr;
+  void* q = nullptr;
+  gpu_queue() = default;
+  gpu_queue(const gpu_queue&) = delete;
+  gpu_queue& operator=(const gpu_queue&) = delete;
+  ~gpu_queue() {
+    if (q) hooks->close_queue(q);
+  }
 };
 
 // Regions remembered per connection, and queries outstanding at once: a
@@ -65,6 +83,22 @@ struct conn_ext {
   bool peer_gone = false;  // the socket reported the peer's hang-up: the engine reads what is left
   unsigned since_check = 0;
   endpoint named;  // what the application connected to (empty: accepted)
+
+  // The ordered lane (device.cpp). Operations that cannot be done at once
+  // (a GPU copy, an access waiting for the peer's answer, anything posted
+  // while either is pending) queue here in order, so that none overtakes
+  // an earlier one (RC order), and leave it once started.
+  std::deque<std::uint64_t> lane;  // tickets, first: the one that may start
+  std::uint64_t next_ticket = 0;
+  std::size_t gpu_inflight = 0;  // copies enqueued, not yet complete
+  bool service_over = false;     // the service loop ended: no more answers
+  event changed;                 // pulsed when any of the above moves, or an answer comes
+  void pulse() noexcept {
+    changed.set();
+    changed.reset();
+  }
+  bool ordered_busy() const noexcept { return !lane.empty() || gpu_inflight != 0; }
+  gpu_queue copies;
 
   conn_ext() = default;
   conn_ext(const conn_ext&) = delete;

@@ -11,10 +11,11 @@
 
 namespace shuttle::detail {
 
-// Kinds of memory a peer may map (local_wire.hpp, the answer's `kind`).
-// Only host memfds today; a GPU block (a cuMem POSIX fd, a CUDA IPC handle)
-// is another kind with the same answer: a handle, an offset, a length.
-enum class shared_kind : std::uint32_t { host_memfd = 1 };
+// Kinds of memory a peer may map (local_wire.hpp, the answer's `kind`):
+// a host memfd passed along (SCM_RIGHTS), or GPU memory whose CUDA IPC
+// handle the answer carries (device_hooks.hpp). Both with the same answer:
+// a handle, an offset, a length.
+enum class shared_kind : std::uint32_t { host_memfd = 1, cuda_ipc = 2 };
 
 struct shared_block {
   int fd = -1;

@@ -1,0 +1,175 @@
+// The local provider's view of GPU memory (lib/local_provider/
+// device_hooks.hpp), installed when this layer is linked in: device memory
+// told from host memory, registrations exported as CUDA IPC handles, a
+// peer's handles imported once per process, and one-sided accesses done as
+// cudaMemcpyAsync on the connection's stream, awaited on the loop.
+#include "../local_provider/device_hooks.hpp"
+
+#include "driver.hpp"
+
+#include <shuttle/cuda/cuda.hpp>
+#include <shuttle/error.hpp>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+namespace shuttle::cuda {
+namespace {
+
+namespace lp = shuttle::detail::local_provider;
+
+bool is_device(const void* p, std::size_t) noexcept {
+  auto& d = detail::driver();
+  if (!d.pointer_get_attribute) return false;  // no driver: no device memory
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  unsigned int type = 0;
+  if (d.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) != CUDA_SUCCESS) return false;
+  if (type != CU_MEMORYTYPE_DEVICE) return false;
+  unsigned int managed = 0;  // managed memory is the CPU's to read too (it migrates)
+  return d.pointer_get_attribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr) != CUDA_SUCCESS || !managed;
+}
+
+result<std::uint64_t> export_handle(const void* p, std::size_t len, lp::gpu_handle& out) noexcept {
+  auto& d = detail::driver();
+  if (!d.mem_get_address_range) return make_error_code(shuttle::errc::not_supported);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  if (d.mem_get_address_range(&base, &size, ptr) != CUDA_SUCCESS || ptr - base > size || len > size - (ptr - base))
+    return make_error_code(shuttle::errc::not_supported);
+  cudaIpcMemHandle_t h{};
+  static_assert(sizeof h == lp::gpu_handle_size);
+  // Fails for memory from cuMemCreate (no IPC handle; a POSIX-fd export
+  // would be its path) and for another process's imported memory.
+  if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return make_error_code(shuttle::errc::not_supported);
+  }
+  std::memcpy(out.data(), &h, sizeof h);
+  return static_cast<std::uint64_t>(ptr - base);
+}
+
+// Imports, by handle: a process may open a handle once, and several
+// connections (and regions) may use it.
+struct import_entry {
+  std::byte* base = nullptr;
+  std::size_t size = 0;
+  std::size_t refs = 0;
+};
+std::mutex imports_mutex;
+std::map<lp::gpu_handle, import_entry>& imports() {
+  static auto* m = new std::map<lp::gpu_handle, import_entry>;  // never destroyed: static dtors
+  return *m;
+}
+
+result<lp::device_hooks::imported> import_handle(const lp::gpu_handle& h) noexcept {
+  try {
+    std::lock_guard lock(imports_mutex);
+    auto& m = imports();
+    if (auto it = m.find(h); it != m.end()) {
+      ++it->second.refs;
+      return lp::device_hooks::imported{it->second.base, it->second.size};
+    }
+    cudaIpcMemHandle_t ch{};
+    std::memcpy(&ch, h.data(), sizeof ch);
+    void* p = nullptr;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, ch, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return make_error_code(e);
+    }
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    auto& d = detail::driver();
+    if (!d.mem_get_address_range ||
+        d.mem_get_address_range(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS ||
+        base != reinterpret_cast<CUdeviceptr>(p)) {
+      (void)cudaIpcCloseMemHandle(p);
+      return make_error_code(shuttle::errc::not_supported);
+    }
+    m.emplace(h, import_entry{static_cast<std::byte*>(p), size, 1});
+    return lp::device_hooks::imported{static_cast<std::byte*>(p), size};
+  } catch (const std::bad_alloc&) {
+    return std::make_error_code(std::errc::not_enough_memory);
+  }
+}
+
+void release_import(std::byte* base) noexcept {
+  std::lock_guard lock(imports_mutex);
+  auto& m = imports();
+  for (auto it = m.begin(); it != m.end(); ++it) {
+    if (it->second.base != base) continue;
+    if (--it->second.refs == 0) {
+      (void)cudaIpcCloseMemHandle(base);
+      m.erase(it);
+    }
+    return;
+  }
+}
+
+void* open_queue() noexcept {
+  cudaStream_t s = nullptr;
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return s;
+}
+void close_queue(void* q) noexcept {
+  if (q) (void)cudaStreamDestroy(static_cast<cudaStream_t>(q));
+}
+
+// An event awaited without the awaiter's stop token: the copy goes on
+// touching the operation's buffers, so the operation ends when it does.
+class uncancelled_wait : public event_awaiter {
+ public:
+  using event_awaiter::event_awaiter;
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    return detail::park(node_, h, std::stop_token{});
+  }
+};
+
+task<result<void>> await_copy(cudaEvent_t ev) {
+  auto r = co_await uncancelled_wait(ev);
+  detail::return_pooled_event(ev);
+  co_return r;
+}
+task<result<void>> failed(std::error_code ec) { co_return ec; }
+
+task<result<void>> copy(void* q, void* dst, const void* src, std::size_t n) {
+  auto s = static_cast<cudaStream_t>(q);
+  cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return failed(make_error_code(e));
+  }
+  cudaEvent_t ev = nullptr;
+  try {
+    ev = detail::pooled_event();
+  } catch (const std::system_error& x) {
+    return failed(x.code());
+  }
+  if ((e = cudaEventRecord(ev, s)) != cudaSuccess) {
+    detail::return_pooled_event(ev);
+    return failed(make_error_code(e));
+  }
+  return await_copy(ev);
+}
+
+const lp::device_hooks local_hooks{&is_device, &export_handle, &import_handle, &release_import,
+                                   &open_queue, &close_queue, &copy};
+struct hooks_installer {
+  hooks_installer() noexcept { lp::set_device_hooks(&local_hooks); }
+} install_local_hooks;
+
+}  // namespace
+
+// Referenced from cuda.cpp, so that a static link that uses the CUDA layer
+// keeps this file (and its installer).
+namespace detail {
+extern const int local_hooks_anchor;
+const int local_hooks_anchor = 1;
+}  // namespace detail
+}  // namespace shuttle::cuda
