@@ -103,16 +103,16 @@ class local_domain final : public domain_impl {
   result<memory_region> register_gpu(const device_hooks& h, std::span<std::byte> mem, unsigned flags,
                                      const domain_state::cache_key& key) {
     auto r = std::make_shared<local_region>();
+    r->dom = st_;  // (its destructor needs it, should we give up below)
+    r->addr = mem.data();
+    r->length = mem.size();
+    r->access = flags;
     auto off = h.export_handle(mem.data(), mem.size(), r->handle);
     if (!off) return off.error();
     auto rkey = fresh_key();
     if (!rkey) return rkey.error();
     auto slot = st_->keys->take();
     if (!slot) return make_error_code(errc::not_supported);
-    r->dom = st_;
-    r->addr = mem.data();
-    r->length = mem.size();
-    r->access = flags;
     r->rkey = r->lkey = *rkey;
     r->gpu = true;
     r->gpu_offset = *off;
