@@ -21,6 +21,7 @@
 
 #include <shuttle/sync.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -111,6 +112,21 @@ struct conn_ext {
   // Asks the peer about `rkey` (once; bounded). Failures are silent: the
   // access goes through the socket anyway.
   void ask(std::uint32_t rkey) noexcept;
+};
+
+// Our ticket's place in the lane, given up once the operation has started
+// (or given up on).
+struct lane_place {  // (device.cpp)
+  conn_ext& x;
+  std::uint64_t ticket;
+  bool in = true;
+  void leave() noexcept {
+    if (!in) return;
+    in = false;
+    if (auto it = std::find(x.lane.begin(), x.lane.end(), ticket); it != x.lane.end()) x.lane.erase(it);
+    x.pulse();
+  }
+  ~lane_place() { leave(); }
 };
 
 inline conn_ext& ext_of(tp::conn_state& s) noexcept { return *static_cast<conn_ext*>(s.ext.get()); }

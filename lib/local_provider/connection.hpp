@@ -21,6 +21,7 @@ class local_connection final : public connection_impl {
   // Behind a GPU copy or an access waiting for an answer, an operation
   // waits its turn in the lane (device.cpp), else it starts at once.
   void send(op_slot<void>& out, std::span<const std::byte> msg) {
+    if (on_device(msg)) return out.set_result(make_error_code(errc::unregistered_device_memory));  // the socket's
     if (x_.ordered_busy())
       out.set_task(in_lane_void({lane_op::kind::send, const_cast<std::byte*>(msg.data()), msg.size()}));
     else
@@ -30,7 +31,7 @@ class local_connection final : public connection_impl {
   void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote);
   void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
                       std::uint32_t imm) {
-    if (x_.ordered_busy())
+    if (x_.ordered_busy() || on_device(local))  // GPU data: a copy, then the notification
       out.set_task(in_lane_void(
           {lane_op::kind::write_imm, const_cast<std::byte*>(local.data()), local.size(), remote, imm}));
     else
@@ -65,6 +66,12 @@ class local_connection final : public connection_impl {
   std::byte* direct(const remote_buffer& r, std::size_t len, unsigned right) noexcept;
   bool peer_hung_up() noexcept;
 
+  // GPU memory, which the engine must not touch (device_hooks.hpp).
+  static bool on_device(std::span<const std::byte> m) noexcept {
+    const device_hooks* h = installed_device_hooks();
+    return h && !m.empty() && h->is_device(m.data(), m.size());
+  }
+
   // How a write or read of `local` at `r` is done (device.cpp).
   struct route {
     enum class how : std::uint8_t { host, gpu, engine, ask, fail } how = how::engine;
@@ -83,6 +90,7 @@ class local_connection final : public connection_impl {
     std::uint64_t a = 0, b = 0;  // atomics' operands
   };
   task<result<std::uint64_t>> in_lane(lane_op op);
+  task<result<std::uint64_t>> at_turn(lane_op op, lane_place& place, bool hold);
   // Started from the lane at its turn (operations.cpp): no lane check.
   void cas_now(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected, std::uint64_t desired);
   void faa_now(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add);

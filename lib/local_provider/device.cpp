@@ -23,8 +23,6 @@
 
 #include <shuttle/timer.hpp>
 
-#include <poll.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -42,20 +40,6 @@ namespace {
 
 std::atomic<const device_hooks*> hooks{nullptr};
 
-// Our ticket's place in the lane, given up once the operation has started
-// (or given up on).
-struct lane_place {
-  conn_ext& x;
-  std::uint64_t ticket;
-  bool in = true;
-  void leave() noexcept {
-    if (!in) return;
-    in = false;
-    if (auto it = std::find(x.lane.begin(), x.lane.end(), ticket); it != x.lane.end()) x.lane.erase(it);
-    x.pulse();
-  }
-  ~lane_place() { leave(); }
-};
 
 template <class T>
 struct slot_await {
@@ -72,14 +56,6 @@ bool engine_quiet(const tp::conn_state& s) noexcept {
   return s.pending.empty() && !s.slot_waiters && !s.credit_waiters && !s.responder_waiters;
 }
 
-// Whether the peer's end of the socket is gone, asked now.
-bool peer_gone_now(tp::conn_state& s, conn_ext& x) noexcept {
-  if (!x.peer_gone) {
-    pollfd p{s.sock.native_handle(), POLLRDHUP, 0};
-    if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) x.peer_gone = true;
-  }
-  return x.peer_gone;
-}
 
 // A wait in the lane that was cancelled: the operation never started, but
 // those behind it were ordered after it, so the connection fails as when
@@ -110,16 +86,24 @@ task<result<void>> local_connection::in_lane_void(lane_op op) {
 
 task<result<std::uint64_t>> local_connection::in_lane(lane_op op) {
   auto keep = s_;  // the state, and its copy queue, while we wait
+  lane_place place{x_, x_.next_ticket++};
+  x_.lane.push_back(place.ticket);
+  co_return co_await at_turn(op, place, false);
+}
+
+// `op` once `place` is first in the lane and what it waits for is done; the
+// place is given up once the operation has started, unless `hold` (a
+// batch's operations, one after the other).
+task<result<std::uint64_t>> local_connection::at_turn(lane_op op, lane_place& place, bool hold) {
   tp::conn_state& s = *s_;
   conn_ext& x = x_;
-  lane_place place{x, x.next_ticket++};
-  x.lane.push_back(place.ticket);
   using kind = lane_op::kind;
-  const bool rw = op.k == kind::write || op.k == kind::read;
+  const bool rw = op.k == kind::write || op.k == kind::read || op.k == kind::write_imm;
   for (;;) {
     if (x.lane.front() == place.ticket) {
       route rt;
       if (rw) rt = plan(op.remote, op.local, op.len, op.k == kind::read ? access::remote_read : access::remote_write);
+      if (op.k == kind::write_imm && rt.how == route::how::host) rt = route{};  // its message: the socket's
       if (rt.how == route::how::ask) {
         x.ask(op.remote.rkey);
         if (!x.asked.contains(op.remote.rkey) && x.queries == 0) {
@@ -133,13 +117,25 @@ task<result<std::uint64_t>> local_connection::in_lane(lane_op op) {
       }
       if (rt.how == route::how::fail) co_return rt.ec;
       if (rt.how == route::how::gpu) {
+        const peer_region& pr = x.regions.at(op.remote.rkey);
+        // write_with_imm's data by a copy, its notification through the
+        // socket: not into GPU memory, which the peer's engine cannot name.
+        if (op.k == kind::write_imm && pr.gpu) co_return make_error_code(errc::not_supported);
         if (engine_quiet(s)) {
-          auto hold = x.regions.at(op.remote.rkey).map;  // the peer's memory stays mapped until the copy ends
-          auto t = gpu_copy(op, rt.at, std::move(hold));  // enqueued at its first resumption, below
-          place.leave();  // (posted wake-ups: the next operation runs after the copy is enqueued)
+          auto mapped = pr.map;  // the peer's memory stays mapped until the copy ends
+          lane_op data = op;
+          if (op.k == kind::write_imm) data.k = kind::write;
+          auto t = gpu_copy(data, rt.at, std::move(mapped));  // enqueued at its first resumption, below
+          // (Posted wake-ups: the next operation runs after the copy is enqueued.)
+          if (!hold && op.k != kind::write_imm) place.leave();
           auto r = co_await std::move(t);
           if (!r) co_return r.error();
-          co_return std::uint64_t{0};
+          if (op.k != kind::write_imm) co_return std::uint64_t{0};
+          // The data is in: now the notification, empty, through the socket, in our turn still.
+          op.local = nullptr;
+          op.len = 0;
+          op.remote.length = 0;
+          continue;
         }
         // Frames of ours in the engine: wait until it has none.
         if (!s.idle.is_set()) {
@@ -164,7 +160,7 @@ task<result<std::uint64_t>> local_connection::in_lane(lane_op op) {
             cas_now(slot, op.remote, op.a, op.b);
           else
             faa_now(slot, op.remote, op.a);
-          place.leave();
+          if (!hold) place.leave();
           co_return co_await slot_await<std::uint64_t>{slot};
         }
         op_slot<void> slot;
@@ -174,7 +170,7 @@ task<result<std::uint64_t>> local_connection::in_lane(lane_op op) {
           case kind::write: inner_.write(slot, {op.local, op.len}, op.remote); break;
           default: inner_.read(slot, {op.local, op.len}, op.remote); break;
         }
-        place.leave();
+        if (!hold) place.leave();
         auto r = co_await slot_await<void>{slot};
         if (!r) co_return r.error();
         co_return std::uint64_t{0};
@@ -203,29 +199,84 @@ task<result<void>> local_connection::gpu_copy(lane_op op, std::byte* at, std::sh
   --x.gpu_inflight;
   x.pulse();
   if (!r) co_return r.error();
+  // A peer that died meanwhile: its socket says so (the engine's reader
+  // fails the connection on the hang-up; a loop of copies that never lets
+  // it run looks at the socket every few accesses).
   if (keep->state() != tp::conn_state::phase::open) co_return keep->later_error();
-  if (peer_gone_now(*keep, x)) co_return make_error_code(errc::disconnected);
+  if (peer_hung_up()) co_return make_error_code(errc::disconnected);
   co_return result<void>{};
 }
 
+// A batch goes to the engine as one, unless GPU memory is in it (a local
+// buffer, or a peer's region known to be GPU memory): then its operations
+// run one after the other in the lane, each as a single one would (copies,
+// the socket for the rest), none overtaken by what was posted after the
+// batch. Keys not answered yet are asked first (they may name GPU memory).
 task<result<void>> local_connection::batch(std::span<const operation> ops, std::size_t* failed) {
-  // A batch goes through the socket: no GPU memory in it.
-  if (const device_hooks* h = installed_device_hooks()) {
+  auto keep = s_;
+  const device_hooks* h = installed_device_hooks();
+  const auto rkey_of = [](const operation& o) { return o.op == operation::type::send ? 0u : o.remote.rkey; };
+  bool by_one = false, unknown = false;
+  const auto survey = [&] {
+    by_one = unknown = false;
+    for (const operation& o : ops) {
+      if (!o.local.empty() && h->is_device(o.local.data(), o.local.size())) by_one = true;
+      if (o.op == operation::type::send) continue;
+      auto it = x_.regions.find(rkey_of(o));
+      if (it != x_.regions.end())
+        by_one = by_one || it->second.gpu;
+      else if (!x_.service_over)
+        unknown = true;
+    }
+  };
+  if (h) survey();
+  if (!by_one && !unknown && !x_.ordered_busy()) {
+    // (Not a conditional expression around co_await: g++ 12 destroys its temporary twice.)
+    if (failed) {
+      auto t = inner_.post_batch_at(ops, *failed);
+      co_return co_await std::move(t);
+    }
+    auto t = inner_.post_batch(ops);
+    co_return co_await std::move(t);
+  }
+  lane_place place{x_, x_.next_ticket++};
+  x_.lane.push_back(place.ticket);
+  if (h && unknown && !by_one) {
+    while (x_.lane.front() != place.ticket)
+      if (auto w = co_await x_.changed.wait(); !w) co_return cancelled_in_lane(*s_, w.error());
+    for (const operation& o : ops)
+      if (o.op != operation::type::send && !x_.regions.contains(rkey_of(o))) x_.ask(rkey_of(o));
+    for (;;) {  // until every key asked about is answered (or no answer can come)
+      bool waiting = false;
+      for (const operation& o : ops) waiting = waiting || x_.asked.contains(rkey_of(o));
+      if (!waiting || x_.service_over) break;
+      if (auto w = co_await x_.changed.wait(); !w) co_return cancelled_in_lane(*s_, w.error());
+    }
+    survey();
+  }
+  if (by_one) {
+    using kind = lane_op::kind;
     for (std::size_t i = 0; i < ops.size(); ++i) {
-      if (!ops[i].local.empty() && h->is_device(ops[i].local.data(), ops[i].local.size())) {
+      const operation& o = ops[i];
+      lane_op op{o.op == operation::type::send         ? kind::send
+                 : o.op == operation::type::write      ? kind::write
+                 : o.op == operation::type::read       ? kind::read
+                                                       : kind::write_imm,
+                 const_cast<std::byte*>(o.local.data()), o.local.size(), o.remote, o.imm};
+      if (op.k == kind::send && on_device(o.local)) {
         if (failed) *failed = i;
         co_return make_error_code(errc::unregistered_device_memory);
       }
+      auto r = co_await at_turn(op, place, true);
+      if (!r) {
+        if (failed) *failed = i;
+        co_return r.error();
+      }
     }
+    co_return result<void>{};
   }
-  auto keep = s_;
-  if (x_.ordered_busy()) {
-    lane_place place{x_, x_.next_ticket++};
-    x_.lane.push_back(place.ticket);
-    if (auto t = co_await turn(*s_, x_, place); !t) co_return t.error();
-    place.leave();
-  }
-  // (Not a conditional expression around co_await: g++ 12 destroys its temporary twice.)
+  if (auto t = co_await turn(*s_, x_, place); !t) co_return t.error();
+  place.leave();
   if (failed) {
     auto t = inner_.post_batch_at(ops, *failed);
     co_return co_await std::move(t);

@@ -269,10 +269,13 @@ TEST_CASE("GPU memory (fake hooks): bad rkey, out of bounds, deregistered, atomi
       // Atomics on GPU memory: not supported (no CPU word, no engine region).
       auto f = co_await p.client.fetch_and_add(mr.remote(0, 8), 1);
       CHECK(f.error() == make_error_code(errc::not_supported));
-      // A batch goes through the socket: no GPU memory in it.
-      std::vector<operation> ops{operation::write({my_gpu, 64}, mr.remote(0, 64))};
-      auto b = co_await p.client.post_batch(ops);
-      CHECK(b.error() == make_error_code(errc::unregistered_device_memory));
+      // GPU memory cannot be sent (a message goes through the socket), nor
+      // be the target of write_with_imm (its notification does too).
+      auto sn = co_await p.client.send({my_gpu, 64});
+      CHECK(sn.error() == make_error_code(errc::unregistered_device_memory));
+      auto wi = co_await p.client.write_with_imm({my_gpu, 64}, mr.remote(0, 64), 5);
+      CHECK(wi.error() == make_error_code(errc::not_supported));
+      CHECK(fake_gpu::peek(peer_gpu, n) == std::vector<std::byte>(n, std::byte{0x5A}));
       // Still working.
       REQUIRE((co_await p.client.write({my_gpu, 64}, mr.remote(0, 64))).has_value());
       // A region the peer cannot import (a forged or stale handle): its accesses fail.
@@ -315,4 +318,56 @@ TEST_CASE("GPU memory (fake hooks): memory that cannot be exported is refused at
     fake_gpu::free(gpu);
     co_return;
   }());
+}
+
+TEST_CASE("GPU memory (fake hooks): batches and block lists with GPU memory run one by one, in order") {
+  hooks_guard g;
+  constexpr std::size_t n = 256 << 10;
+  std::byte* peer_gpu = fake_gpu::alloc(n);
+  std::byte* my_gpu = fake_gpu::alloc(n);
+  {
+    io_context ctx;
+    ctx.run([](std::byte* peer_gpu, std::byte* my_gpu) -> task<void> {
+      lpair p;
+      co_await make_lpair(p);
+      auto host_block = shared_memory::allocate(n).value();
+      auto mr_gpu = p.sd->register_memory({peer_gpu, n}, access::all).value();
+      auto mr_host = p.sd->register_memory(host_block.span(), access::all).value();
+      auto src = pattern(n, 21);
+      fake_gpu::poke(my_gpu, src);
+      fake_gpu::poke(peer_gpu, std::vector<std::byte>(n));
+      // GPU -> GPU and GPU -> host in one batch, then a host write.
+      std::vector<std::byte> tail = pattern(64, 22);
+      std::vector<operation> ops{operation::write({my_gpu, 4096}, mr_gpu.remote(0, 4096)),
+                                 operation::write({my_gpu + 4096, 4096}, mr_host.remote(100, 4096)),
+                                 operation::write(tail, mr_gpu.remote(8192, 64))};
+      REQUIRE((co_await p.client.post_batch(ops)).has_value());
+      auto got = fake_gpu::peek(peer_gpu, n);
+      CHECK(std::memcmp(got.data(), src.data(), 4096) == 0);
+      CHECK(std::memcmp(got.data() + 8192, tail.data(), 64) == 0);
+      CHECK(std::memcmp(host_block.data() + 100, src.data() + 4096, 4096) == 0);
+      // A block list from GPU memory into the peer's host block, with its
+      // notification (the last block's write_with_imm): the message comes
+      // after every block is in.
+      std::vector<block> blocks;
+      for (std::uint64_t b = 0; b < 16; ++b) blocks.push_back({b * 8192, (15 - b) * 8192, 8192});
+      std::memset(host_block.data(), 0, n);
+      auto recv = [](connection& s) -> task<std::optional<std::uint32_t>> {
+        auto m = co_await s.recv();
+        if (!m || !m->imm()) co_return std::nullopt;
+        co_return *m->imm();
+      };
+      auto [w, imm] = co_await when_all(
+          p.client.write_blocks({my_gpu, n}, mr_host.remote(), blocks, {.notify = 7}), recv(p.server));
+      CHECK(w.has_value());
+      REQUIRE(imm.has_value());
+      CHECK(*imm == 7);
+      for (std::uint64_t b = 0; b < 16; ++b)
+        CHECK(std::memcmp(host_block.data() + (15 - b) * 8192, src.data() + b * 8192, 8192) == 0);
+      co_await close_lpair(p);
+    }(peer_gpu, my_gpu));
+  }
+  CHECK(fake_gpu::imports == 0);
+  fake_gpu::free(peer_gpu);
+  fake_gpu::free(my_gpu);
 }
