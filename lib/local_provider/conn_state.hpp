@@ -4,14 +4,15 @@
 // memory that is not shared, batches, prepared operations, grants, errors,
 // close and teardown, all with the tcp provider's semantics.
 //
-// What is local: the peer's shared regions, mapped here. The first access
-// to an rkey goes through the socket and asks the peer, on the service
-// channel, whether it may be mapped (service.cpp); once the answer is in,
-// accesses to it are done here (operations.cpp): a memcpy or an
-// std::atomic_ref on the mapping, checked against the region's bounds and
-// rights and against the peer's key-table word (still registered?), and
-// only while nothing of ours is in flight in the engine (RC order: an
-// access done here must not overtake one still queued there).
+// What is local: the peer's shared regions, mapped here. The first write
+// or read to an rkey asks the peer, on the service channel, whether it may
+// be mapped (service.cpp), and waits for the answer (device.cpp); once it
+// is in, accesses to it are done here (operations.cpp): a memcpy or an
+// std::atomic_ref on the mapping, or a copy on the GPU for GPU memory
+// (device.cpp), checked against the region's bounds and rights and against
+// the peer's key-table word (still registered?), and only while nothing of
+// ours is in flight in the engine (RC order: an access done here must not
+// overtake one still queued there).
 #pragma once
 
 #include "domain_state.hpp"

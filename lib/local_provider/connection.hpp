@@ -46,7 +46,12 @@ class local_connection final : public connection_impl {
   task<result<void>> post_batch_at(std::span<const operation> ops, std::size_t& failed) override {
     return batch(ops, &failed);
   }
-  result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override { return inner_.prepare(o); }
+  // Prepared operations are the engine's: not from GPU memory (the socket
+  // would touch it with the CPU), and not ordered behind the lane.
+  result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override {
+    if (on_device(o.local)) return make_error_code(errc::unregistered_device_memory);
+    return inner_.prepare(o);
+  }
   task<result<memory_grant>> grant(const memory_region& r, std::size_t offset, std::size_t len,
                                    unsigned rights) override;
   task<result<void>> revoke(grant_impl& g) override;

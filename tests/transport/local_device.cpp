@@ -276,6 +276,9 @@ TEST_CASE("GPU memory (fake hooks): bad rkey, out of bounds, deregistered, atomi
       auto wi = co_await p.client.write_with_imm({my_gpu, 64}, mr.remote(0, 64), 5);
       CHECK(wi.error() == make_error_code(errc::not_supported));
       CHECK(fake_gpu::peek(peer_gpu, n) == std::vector<std::byte>(n, std::byte{0x5A}));
+      // Prepared operations are the engine's: not from GPU memory.
+      auto prep = p.client.prepare(operation::write({my_gpu, 64}, mr.remote(0, 64)));
+      CHECK(prep.error() == make_error_code(errc::unregistered_device_memory));
       // Still working.
       REQUIRE((co_await p.client.write({my_gpu, 64}, mr.remote(0, 64))).has_value());
       // A region the peer cannot import (a forged or stale handle): its accesses fail.
