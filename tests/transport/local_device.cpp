@@ -12,6 +12,7 @@
 
 #include "common.hpp"
 #include "device_hooks.hpp"
+#include "local_wire.hpp"
 #include "stats.hpp"
 
 #include <shuttle/local.hpp>
@@ -373,4 +374,47 @@ TEST_CASE("GPU memory (fake hooks): batches and block lists with GPU memory run 
   CHECK(fake_gpu::imports == 0);
   fake_gpu::free(peer_gpu);
   fake_gpu::free(my_gpu);
+}
+
+TEST_CASE("local wire: a GPU answer carries its handle; sizes and kinds checked") {
+  namespace lw = detail::local_wire;
+  lw::answer a;
+  a.rkey = 77;
+  a.ok = true;
+  a.kind = detail::shared_kind::cuda_ipc;
+  a.addr = 1 << 20;
+  a.length = 4096;
+  a.offset = 512;
+  a.access = access::all;
+  a.slot = 3;
+  for (std::size_t i = 0; i < a.handle.size(); ++i) a.handle[i] = std::byte(i * 3 + 1);
+  std::array<std::byte, lw::max_message> b{};
+  const std::size_t n = lw::encode_full_answer(a, b);
+  CHECK(n == lw::gpu_answer_size);
+  auto m = lw::decode_message(std::span(b).first(n));
+  REQUIRE(m.has_value());
+  CHECK(m->ans.ok);
+  CHECK(m->ans.kind == detail::shared_kind::cuda_ipc);
+  CHECK(m->ans.handle == a.handle);
+  CHECK(m->ans.offset == 512);
+  // Without its handle, or with bytes past it: refused.
+  CHECK_FALSE(lw::decode_message(std::span(b).first(lw::answer_size)).has_value());
+  std::array<std::byte, lw::max_message + 1> longer{};
+  std::copy(b.begin(), b.end(), longer.begin());
+  CHECK_FALSE(lw::decode_message(longer).has_value());
+  // A host answer with a handle's bytes after it, or a refusal with them: refused.
+  a.kind = detail::shared_kind::host_memfd;
+  CHECK(lw::encode_full_answer(a, b) == lw::answer_size);
+  CHECK(lw::decode_message(std::span(b).first(lw::answer_size)).has_value());
+  CHECK_FALSE(lw::decode_message(std::span(b).first(lw::gpu_answer_size)).has_value());
+  lw::answer refused;
+  refused.rkey = 5;
+  CHECK(lw::encode_full_answer(refused, b) == lw::answer_size);
+  CHECK(lw::decode_message(std::span(b).first(lw::answer_size)).has_value());
+  CHECK_FALSE(lw::decode_message(std::span(b).first(lw::gpu_answer_size)).has_value());
+  // An unknown kind: refused.
+  a.kind = detail::shared_kind::cuda_ipc;
+  lw::encode_full_answer(a, b);
+  b[12] = std::byte{9};
+  CHECK_FALSE(lw::decode_message(std::span(b).first(lw::gpu_answer_size)).has_value());
 }
