@@ -79,15 +79,17 @@ result<lp::device_hooks::imported> import_handle(const lp::gpu_handle& h) noexce
       (void)cudaGetLastError();
       return make_error_code(e);
     }
+    // What is mapped from p on: the bounds the peer's answer is checked against.
     CUdeviceptr base = 0;
     size_t size = 0;
+    const auto at = reinterpret_cast<CUdeviceptr>(p);
     auto& d = detail::driver();
-    if (!d.mem_get_address_range ||
-        d.mem_get_address_range(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS ||
-        base != reinterpret_cast<CUdeviceptr>(p)) {
+    if (!d.mem_get_address_range || d.mem_get_address_range(&base, &size, at) != CUDA_SUCCESS || at < base ||
+        at - base >= size) {
       (void)cudaIpcCloseMemHandle(p);
       return make_error_code(shuttle::errc::not_supported);
     }
+    size -= at - base;
     m.emplace(h, import_entry{static_cast<std::byte*>(p), size, 1});
     return lp::device_hooks::imported{static_cast<std::byte*>(p), size};
   } catch (const std::bad_alloc&) {
