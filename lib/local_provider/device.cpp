@@ -40,7 +40,6 @@ namespace {
 
 std::atomic<const device_hooks*> hooks{nullptr};
 
-
 template <class T>
 struct slot_await {
   op_slot<T>& slot;
@@ -55,7 +54,6 @@ struct slot_await {
 bool engine_quiet(const tp::conn_state& s) noexcept {
   return s.pending.empty() && !s.slot_waiters && !s.credit_waiters && !s.responder_waiters;
 }
-
 
 // A wait in the lane that was cancelled: the operation never started, but
 // those behind it were ordered after it, so the connection fails as when
