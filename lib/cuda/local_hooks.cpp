@@ -97,6 +97,79 @@ result<lp::device_hooks::imported> import_handle(const lp::gpu_handle& h) noexce
   }
 }
 
+// cuMemCreate memory: exported as a POSIX fd, mapped here at an address of
+// our own (each import its own mapping: fds have no identity to share by).
+result<std::uint64_t> export_fd(const void* p, std::size_t len, int* fd, std::uint64_t* size) noexcept {
+  auto& d = detail::driver();
+  if (!d.mem_get_address_range || !d.mem_retain_allocation_handle || !d.mem_export_to_shareable_handle ||
+      !d.mem_release)
+    return make_error_code(shuttle::errc::not_supported);
+  CUdeviceptr base = 0;
+  size_t range = 0;
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  if (d.mem_get_address_range(&base, &range, ptr) != CUDA_SUCCESS || ptr - base > range || len > range - (ptr - base))
+    return make_error_code(shuttle::errc::not_supported);
+  CUmemGenericAllocationHandle h{};
+  if (d.mem_retain_allocation_handle(&h, reinterpret_cast<void*>(base)) != CUDA_SUCCESS)
+    return make_error_code(shuttle::errc::not_supported);
+  int out = -1;
+  CUresult e = d.mem_export_to_shareable_handle(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  (void)d.mem_release(h);  // the retained reference; the mapping keeps its own
+  if (e != CUDA_SUCCESS || out < 0) return make_error_code(shuttle::errc::not_supported);
+  *fd = out;
+  *size = range;
+  return static_cast<std::uint64_t>(ptr - base);
+}
+
+std::map<std::byte*, std::size_t>& fd_imports() {  // base -> size (under imports_mutex)
+  static auto* m = new std::map<std::byte*, std::size_t>;
+  return *m;
+}
+
+result<lp::device_hooks::imported> import_fd(int fd, std::uint64_t size) noexcept {
+  auto& d = detail::driver();
+  if (!d.mem_import_from_shareable_handle || !d.mem_address_reserve || !d.mem_map || !d.mem_set_access ||
+      !d.mem_unmap || !d.mem_address_free || !d.mem_release || size == 0)
+    return make_error_code(shuttle::errc::not_supported);
+  CUmemGenericAllocationHandle h{};
+  if (d.mem_import_from_shareable_handle(&h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != CUDA_SUCCESS)
+    return make_error_code(shuttle::errc::remote_access_error);
+  CUdeviceptr va = 0;
+  int dev = 0;
+  (void)cudaGetDevice(&dev);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  bool reserved = false, mapped = false;
+  CUresult e = d.mem_address_reserve(&va, size, 0, 0, 0);
+  if (e == CUDA_SUCCESS) {
+    reserved = true;
+    e = d.mem_map(va, size, 0, h, 0);  // a size other than the allocation's fails here
+  }
+  if (e == CUDA_SUCCESS) {
+    mapped = true;
+    e = d.mem_set_access(va, size, &access, 1);
+  }
+  (void)d.mem_release(h);  // the mapping holds the allocation
+  if (e != CUDA_SUCCESS) {
+    if (mapped) (void)d.mem_unmap(va, size);
+    if (reserved) (void)d.mem_address_free(va, size);
+    return make_error_code(shuttle::errc::remote_access_error);
+  }
+  auto* base = reinterpret_cast<std::byte*>(va);
+  try {
+    std::lock_guard lock(imports_mutex);
+    fd_imports()[base] = size;
+  } catch (const std::bad_alloc&) {
+    (void)d.mem_unmap(va, size);
+    (void)d.mem_address_free(va, size);
+    return std::make_error_code(std::errc::not_enough_memory);
+  }
+  return lp::device_hooks::imported{base, size};
+}
+
 void release_import(std::byte* base) noexcept {
   std::lock_guard lock(imports_mutex);
   auto& m = imports();
@@ -107,6 +180,12 @@ void release_import(std::byte* base) noexcept {
       m.erase(it);
     }
     return;
+  }
+  if (auto it = fd_imports().find(base); it != fd_imports().end()) {
+    auto& d = detail::driver();
+    (void)d.mem_unmap(reinterpret_cast<CUdeviceptr>(base), it->second);
+    (void)d.mem_address_free(reinterpret_cast<CUdeviceptr>(base), it->second);
+    fd_imports().erase(it);
   }
 }
 
@@ -160,8 +239,15 @@ task<result<void>> copy(void* q, void* dst, const void* src, std::size_t n) {
   return await_copy(ev);
 }
 
-const lp::device_hooks local_hooks{&is_device, &export_handle, &import_handle, &release_import,
-                                   &open_queue, &close_queue, &copy};
+const lp::device_hooks local_hooks{.is_device = &is_device,
+                                   .export_handle = &export_handle,
+                                   .import_handle = &import_handle,
+                                   .export_fd = &export_fd,
+                                   .import_fd = &import_fd,
+                                   .release_import = &release_import,
+                                   .open_queue = &open_queue,
+                                   .close_queue = &close_queue,
+                                   .copy = &copy};
 struct hooks_installer {
   hooks_installer() noexcept { lp::set_device_hooks(&local_hooks); }
 } install_local_hooks;

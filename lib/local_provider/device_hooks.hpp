@@ -45,7 +45,14 @@ struct device_hooks {
     std::size_t size = 0;
   };
   result<imported> (*import_handle)(const gpu_handle& h) noexcept = nullptr;
-  // Drops one import of `base` (closed with the last).
+  // cuMemCreate memory (no IPC handle): a POSIX fd of the allocation that
+  // holds [p, p+len) (cuMemExportToShareableHandle; the caller closes it),
+  // the allocation's size, and p's offset in it. not_supported where the
+  // allocation was not made exportable as an fd.
+  result<std::uint64_t> (*export_fd)(const void* p, std::size_t len, int* fd, std::uint64_t* size) noexcept = nullptr;
+  // Maps a peer's allocation of `size` bytes from its fd (which stays the caller's).
+  result<imported> (*import_fd)(int fd, std::uint64_t size) noexcept = nullptr;
+  // Drops one import of `base`, by handle or fd (closed with the last).
   void (*release_import)(std::byte* base) noexcept = nullptr;
   // A queue (stream) for a connection's copies, or null; closed at teardown.
   void* (*open_queue)() noexcept = nullptr;

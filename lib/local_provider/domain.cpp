@@ -37,6 +37,7 @@ local_region::~local_region() {
   }
   auto it = dom->cache.find({reinterpret_cast<std::uintptr_t>(addr), length, access});
   if (it != dom->cache.end() && it->second.expired()) dom->cache.erase(it);
+  if (gpu_fd >= 0) ::close(gpu_fd);
   // `engine` goes next: the socket's accesses are refused too.
 }
 
@@ -108,6 +109,7 @@ class local_domain final : public domain_impl {
     r->length = mem.size();
     r->access = flags;
     auto off = h.export_handle(mem.data(), mem.size(), r->handle);
+    if (!off && h.export_fd) off = h.export_fd(mem.data(), mem.size(), &r->gpu_fd, &r->gpu_size);  // cuMemCreate's
     if (!off) return off.error();
     auto rkey = fresh_key();
     if (!rkey) return rkey.error();

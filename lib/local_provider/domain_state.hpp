@@ -42,6 +42,8 @@ struct local_region final : region_impl {
   bool gpu = false;                     // GPU memory: exported as `handle`, the region at `gpu_offset` in it
   gpu_handle handle{};
   std::uint64_t gpu_offset = 0;
+  int gpu_fd = -1;              // cuMemCreate memory: exported as this fd instead (of gpu_size bytes)
+  std::uint64_t gpu_size = 0;
   bool shared() const noexcept { return block || gpu; }
   ~local_region() override;
 };

@@ -6,6 +6,7 @@
 #include <shuttle/error.hpp>
 #include <shuttle/transport.hpp>
 
+#include <algorithm>
 #include <cstring>
 
 namespace shuttle::detail::local_wire {
@@ -55,8 +56,13 @@ void encode_answer(const answer& a, std::span<std::byte, answer_size> out) noexc
 
 std::size_t encode_full_answer(const answer& a, std::span<std::byte, max_message> out) noexcept {
   encode_answer(a, out.first<answer_size>());
-  if (!a.ok || a.kind != shared_kind::cuda_ipc) return answer_size;
-  std::memcpy(out.data() + answer_size, a.handle.data(), gpu_handle_size);
+  if (!a.ok || a.kind == shared_kind::host_memfd) return answer_size;
+  if (a.kind == shared_kind::cuda_ipc) {
+    std::memcpy(out.data() + answer_size, a.handle.data(), gpu_handle_size);
+  } else {
+    std::fill_n(out.data() + answer_size, gpu_handle_size, std::byte{0});
+    put_le(out.data() + answer_size, a.alloc_size, 8);
+  }
   return gpu_answer_size;
 }
 
@@ -86,15 +92,22 @@ result<message> decode_message(std::span<const std::byte> in) noexcept {
     return m;
   }
   constexpr unsigned remote = access::remote_write | access::remote_read | access::remote_atomic;
-  const bool gpu = kind == static_cast<std::uint32_t>(shared_kind::cuda_ipc);
+  const bool gpu = kind == static_cast<std::uint32_t>(shared_kind::cuda_ipc) ||
+                   kind == static_cast<std::uint32_t>(shared_kind::cuda_fd);
   if (in.size() != (gpu ? gpu_answer_size : answer_size)) return bad();
   if (status != 0 || (kind != static_cast<std::uint32_t>(shared_kind::host_memfd) && !gpu) || a.length == 0 ||
       a.addr + a.length < a.addr || a.offset + a.length < a.offset || a.slot >= key_slots ||
       (a.access & ~(remote | access::local_write)) != 0 || (a.access & remote) == 0)
     return bad();
   a.ok = true;
-  a.kind = gpu ? shared_kind::cuda_ipc : shared_kind::host_memfd;
-  if (gpu) std::memcpy(a.handle.data(), in.data() + answer_size, gpu_handle_size);
+  a.kind = static_cast<shared_kind>(kind);
+  if (a.kind == shared_kind::cuda_ipc) std::memcpy(a.handle.data(), in.data() + answer_size, gpu_handle_size);
+  if (a.kind == shared_kind::cuda_fd) {
+    a.alloc_size = get_le(in.data() + answer_size, 8);
+    for (std::size_t i = 8; i < gpu_handle_size; ++i)
+      if (in[answer_size + i] != std::byte{0}) return bad();
+    if (a.offset > a.alloc_size || a.length > a.alloc_size - a.offset) return bad();
+  }
   return m;
 }
 

@@ -52,7 +52,9 @@ result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept;
 enum class msg_type : std::uint32_t { query = 1, answer = 2 };
 inline constexpr std::size_t query_size = 8;
 inline constexpr std::size_t answer_size = 48;
-// A cuda_ipc answer: the same, then the handle (no descriptor passed).
+// A cuda_ipc answer: the same, then the handle (no descriptor passed); a
+// cuda_fd answer: the same, then the allocation's size in the handle's
+// first 8 bytes (little-endian), the fd passed along.
 inline constexpr std::size_t gpu_answer_size = answer_size + gpu_handle_size;
 inline constexpr std::size_t max_message = gpu_answer_size;
 
@@ -66,6 +68,7 @@ struct answer {
   std::uint32_t access = 0;  // access:: rights
   std::uint32_t slot = 0;    // its word in the target's key table
   gpu_handle handle{};       // cuda_ipc: the allocation's IPC handle (offset: the region's in it)
+  std::uint64_t alloc_size = 0;  // cuda_fd: the allocation's size (offset: the region's in it)
 };
 
 void encode_query(std::uint32_t rkey, std::span<std::byte, query_size> out) noexcept;

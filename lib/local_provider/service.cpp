@@ -30,7 +30,12 @@ bool answer_query(conn_ext& x, std::uint32_t rkey) {
     a.length = r->length;
     a.access = r->access;
     a.slot = r->slot;
-    if (r->gpu) {  // its IPC handle goes in the answer
+    if (r->gpu && r->gpu_fd >= 0) {  // cuMemCreate memory: its fd goes along
+      a.kind = shared_kind::cuda_fd;
+      a.offset = r->gpu_offset;
+      a.alloc_size = r->gpu_size;
+      pass = r->gpu_fd;
+    } else if (r->gpu) {  // its IPC handle goes in the answer
       a.kind = shared_kind::cuda_ipc;
       a.offset = r->gpu_offset;
       a.handle = r->handle;
@@ -53,22 +58,27 @@ bool answer_query(conn_ext& x, std::uint32_t rkey) {
 // reason it cannot be (its accesses fail with it: the socket cannot reach
 // GPU memory). False: the answer contradicts itself (a range past the
 // allocation it names), a protocol error.
-bool take_gpu_answer(const local_wire::answer& a, peer_region& pr) {
+bool take_gpu_answer(const local_wire::answer& a, peer_region& pr, int fd) {
   pr.gpu = true;
   const device_hooks* h = installed_device_hooks();
   if (!h) {  // no CUDA layer in this process
     pr.unusable = make_error_code(errc::not_supported);
     return true;
   }
-  auto imp = h->import_handle(a.handle);
+  if (a.kind == shared_kind::cuda_fd && !h->import_fd) {
+    pr.unusable = make_error_code(errc::not_supported);
+    return true;
+  }
+  auto imp = a.kind == shared_kind::cuda_fd ? h->import_fd(fd, a.alloc_size) : h->import_handle(a.handle);
   if (!imp) {  // a forged or stale handle, or a GPU this one cannot reach
     pr.unusable = make_error_code(errc::remote_access_error);
     return true;
   }
-  pr.map = std::shared_ptr<void>(imp->base, [h](void* b) { h->release_import(static_cast<std::byte*>(b)); });
-  if (a.offset > imp->size || a.length > imp->size - a.offset) return false;
+  const device_hooks::imported got = *imp;
+  pr.map = std::shared_ptr<void>(got.base, [h](void* b) { h->release_import(static_cast<std::byte*>(b)); });
+  if (a.offset > got.size || a.length > got.size - a.offset) return false;
   pr.ok = true;
-  pr.at = imp->base + a.offset;
+  pr.at = got.base + a.offset;
   pr.addr = a.addr;
   pr.length = a.length;
   pr.access = a.access;
@@ -88,7 +98,9 @@ bool take_answer(conn_ext& x, const local_wire::answer& a, fd_list& fds) {
   if (!a.ok) {
     if (!fds.fds.empty()) return false;
   } else if (a.kind == shared_kind::cuda_ipc) {
-    if (!fds.fds.empty() || !take_gpu_answer(a, pr)) return false;
+    if (!fds.fds.empty() || !take_gpu_answer(a, pr, -1)) return false;
+  } else if (a.kind == shared_kind::cuda_fd) {
+    if (fds.fds.size() != 1 || !take_gpu_answer(a, pr, fds.fds[0])) return false;
   } else {
     if (fds.fds.size() != 1) return false;
     auto size = check_sealed_memfd(fds.fds[0]);

@@ -18,6 +18,7 @@
 #include <shuttle/local.hpp>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <map>
@@ -34,6 +35,8 @@ struct fake_gpu {
   static inline std::map<std::uintptr_t, std::size_t> blocks;  // base -> size
   static inline int imports = 0, queues_open = 0, copies = 0;
   static inline bool refuse_import = false, refuse_export = false;
+  static inline bool fd_mode = false;  // as cuMemCreate memory: no IPC handle, a POSIX fd
+  static inline int fd_imports = 0;
   static inline std::vector<std::pair<std::uintptr_t, std::size_t>> enabled;  // ranges made RW for a copy
 
   static std::byte* alloc(std::size_t n) {
@@ -72,7 +75,7 @@ struct fake_gpu {
   static bool is_device(const void* p, std::size_t) noexcept { return find(p) != nullptr; }
   static result<std::uint64_t> export_handle(const void* p, std::size_t, lp::gpu_handle& out) noexcept {
     auto b = find(p);
-    if (!b || refuse_export) return make_error_code(errc::not_supported);
+    if (!b || refuse_export || fd_mode) return make_error_code(errc::not_supported);
     out.fill(std::byte{0});
     std::memcpy(out.data(), "FAKEGPU", 7);
     std::memcpy(out.data() + 8, &b->first, 8);
@@ -87,7 +90,32 @@ struct fake_gpu {
     ++imports;
     return lp::device_hooks::imported{reinterpret_cast<std::byte*>(base), it->second};
   }
-  static void release_import(std::byte*) noexcept { --imports; }
+  // The fd: a memfd holding the block's base (the same process maps it back).
+  static result<std::uint64_t> export_fd(const void* p, std::size_t, int* fd, std::uint64_t* size) noexcept {
+    auto b = find(p);
+    if (!b || refuse_export || !fd_mode) return make_error_code(errc::not_supported);
+    int f = ::memfd_create("fake-gpu-fd", MFD_CLOEXEC);
+    if (f < 0 || ::pwrite(f, &b->first, 8, 0) != 8) return make_error_code(errc::not_supported);
+    *fd = f;
+    *size = b->second;
+    return reinterpret_cast<std::uintptr_t>(p) - b->first;
+  }
+  static result<lp::device_hooks::imported> import_fd(int fd, std::uint64_t size) noexcept {
+    std::uintptr_t base = 0;
+    if (refuse_import || ::pread(fd, &base, 8, 0) != 8) return make_error_code(errc::remote_access_error);
+    auto it = blocks.find(base);
+    if (it == blocks.end() || it->second != size) return make_error_code(errc::remote_access_error);
+    ++fd_imports;
+    return lp::device_hooks::imported{reinterpret_cast<std::byte*>(base), it->second};
+  }
+  static void release_import(std::byte* b) noexcept {
+    // (An fd import of a block, or a handle import: the fake tells them apart by mode.)
+    (void)b;
+    if (fd_imports > 0)
+      --fd_imports;
+    else
+      --imports;
+  }
   static void* open_queue() noexcept {
     ++queues_open;
     return &queues_open;
@@ -109,9 +137,15 @@ struct fake_gpu {
   }
 };
 
-const lp::device_hooks fake_hooks{&fake_gpu::is_device,    &fake_gpu::export_handle, &fake_gpu::import_handle,
-                                  &fake_gpu::release_import, &fake_gpu::open_queue,  &fake_gpu::close_queue,
-                                  &fake_gpu::copy};
+const lp::device_hooks fake_hooks{.is_device = &fake_gpu::is_device,
+                                  .export_handle = &fake_gpu::export_handle,
+                                  .import_handle = &fake_gpu::import_handle,
+                                  .export_fd = &fake_gpu::export_fd,
+                                  .import_fd = &fake_gpu::import_fd,
+                                  .release_import = &fake_gpu::release_import,
+                                  .open_queue = &fake_gpu::open_queue,
+                                  .close_queue = &fake_gpu::close_queue,
+                                  .copy = &fake_gpu::copy};
 struct hooks_guard {
   const lp::device_hooks* before = lp::set_device_hooks(&fake_hooks);
   ~hooks_guard() { lp::set_device_hooks(before); }
@@ -412,9 +446,52 @@ TEST_CASE("local wire: a GPU answer carries its handle; sizes and kinds checked"
   CHECK(lw::encode_full_answer(refused, b) == lw::answer_size);
   CHECK(lw::decode_message(std::span(b).first(lw::answer_size)).has_value());
   CHECK_FALSE(lw::decode_message(std::span(b).first(lw::gpu_answer_size)).has_value());
+  // cuMemCreate memory: the allocation's size after the answer, the range within it.
+  a.kind = detail::shared_kind::cuda_fd;
+  a.alloc_size = 1 << 16;
+  CHECK(lw::encode_full_answer(a, b) == lw::gpu_answer_size);
+  m = lw::decode_message(std::span(b).first(lw::gpu_answer_size));
+  REQUIRE(m.has_value());
+  CHECK(m->ans.kind == detail::shared_kind::cuda_fd);
+  CHECK(m->ans.alloc_size == (1u << 16));
+  a.alloc_size = 4096;  // the range (512 + 4096) past the allocation: refused
+  lw::encode_full_answer(a, b);
+  CHECK_FALSE(lw::decode_message(std::span(b).first(lw::gpu_answer_size)).has_value());
   // An unknown kind: refused.
   a.kind = detail::shared_kind::cuda_ipc;
   lw::encode_full_answer(a, b);
   b[12] = std::byte{9};
   CHECK_FALSE(lw::decode_message(std::span(b).first(lw::gpu_answer_size)).has_value());
+}
+
+TEST_CASE("GPU memory (fake hooks): cuMemCreate-style memory goes as a POSIX fd") {
+  hooks_guard g;
+  constexpr std::size_t n = 64 << 10;
+  std::byte* peer_gpu = fake_gpu::alloc(n);
+  fake_gpu::fd_mode = true;
+  {
+    io_context ctx;
+    ctx.run([](std::byte* peer_gpu) -> task<void> {
+      lpair p;
+      co_await make_lpair(p);
+      fake_gpu::poke(peer_gpu, std::vector<std::byte>(n, std::byte{1}));
+      auto mr = p.sd->register_memory({peer_gpu + 4096, 8192}, access::all).value();
+      auto data = pattern(8192, 31);
+      REQUIRE((co_await p.client.write(data, mr.remote())).has_value());
+      auto got = fake_gpu::peek(peer_gpu, n);
+      CHECK(std::memcmp(got.data() + 4096, data.data(), 8192) == 0);
+      CHECK(got[4095] == std::byte{1});
+      CHECK(got[4096 + 8192] == std::byte{1});
+      CHECK(fake_gpu::fd_imports == 1);
+      std::vector<std::byte> back(100);
+      REQUIRE((co_await p.client.read(back, mr.remote(50, 100))).has_value());
+      CHECK(std::memcmp(back.data(), data.data() + 50, 100) == 0);
+      auto r = co_await p.client.write(data, remote_buffer{mr.remote().address + 1, mr.rkey(), 8192});
+      CHECK(r.error() == make_error_code(errc::remote_access_error));
+      co_await close_lpair(p);
+    }(peer_gpu));
+  }
+  fake_gpu::fd_mode = false;
+  CHECK(fake_gpu::fd_imports == 0);  // unmapped at teardown
+  fake_gpu::free(peer_gpu);
 }
