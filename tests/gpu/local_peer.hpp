@@ -4,14 +4,17 @@
 // bench/gpu/local_gpu_bench.cpp.
 //
 // The peer listens on the abstract Unix socket @NAME, holds a GPU region
-// (cudaMalloc) and a shared host block, both registered with access::all,
-// sends their remote_buffers in its first message, then serves commands:
+// (cudaMalloc), a shared host block and a GPU region from cuMemCreate
+// (exportable as a POSIX fd; length 0 where it could not be made), all
+// registered with access::all, sends their remote_buffers in its first
+// message, then serves commands:
 //   'F' seed off len   fill the GPU region's range with pattern(seed)
 //   'f' byte           fill all of the GPU region with `byte`
 //   'V' seed off len g verify the GPU range is pattern(seed), the bytes
 //                      just around it `g`; answers "ok" or what differs
 //   'E' 0 0 0 g        verify every byte of the GPU region is `g`
 //   'h' byte / 'H' ... the same on the host block
+//   'm' byte / 'M' ... the same on the cuMemCreate region
 //   'K'                kill itself (SIGKILL): a peer that dies
 //   'Q'                close and exit 0
 #pragma once
@@ -21,6 +24,8 @@
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
+#include <cuda.h>
+
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +34,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,6 +57,67 @@ inline domain_options local_options() {
   return o;
 }
 
+// GPU memory from cuMemCreate, exportable as a POSIX fd (the driver API
+// through the runtime's entry points: nothing links libcuda).
+struct vmm_buffer {
+  std::byte* p = nullptr;
+  std::size_t size = 0;
+  std::string why;  // empty: made
+  template <class F>
+  static bool get(const char* name, F& f) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return false;
+    f = reinterpret_cast<F>(fn);
+    return true;
+  }
+  explicit vmm_buffer(std::size_t bytes) {
+    CUresult (*create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*, unsigned long long) = nullptr;
+    CUresult (*gran)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) = nullptr;
+    CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
+    CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+    CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+    if (!get("cuMemCreate", create) || !get("cuMemGetAllocationGranularity", gran) ||
+        !get("cuMemAddressReserve", reserve) || !get("cuMemMap", map) || !get("cuMemSetAccess", set_access) ||
+        !get("cuMemRelease", release)) {
+      why = "driver entry points missing";
+      return;
+    }
+    (void)cudaFree(nullptr);  // the primary context, current
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t g = 0;
+    if (gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || g == 0) {
+      why = "cuMemGetAllocationGranularity failed";
+      return;
+    }
+    const std::size_t n = (bytes + g - 1) / g * g;
+    CUmemGenericAllocationHandle h{};
+    CUdeviceptr va = 0;
+    CUmemAccessDesc access{};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (create(&h, n, &prop, 0) != CUDA_SUCCESS) {
+      why = "cuMemCreate failed";
+      return;
+    }
+    if (reserve(&va, n, 0, 0, 0) != CUDA_SUCCESS || map(va, n, 0, h, 0) != CUDA_SUCCESS ||
+        set_access(va, n, &access, 1) != CUDA_SUCCESS) {
+      why = "reserve/map/set access failed";
+      return;  // (a test process: left to its exit)
+    }
+    (void)release(h);  // the mapping holds it
+    p = reinterpret_cast<std::byte*>(va);
+    size = n;
+  }
+};
+
 struct command {
   char op = 0;
   std::uint32_t seed = 0;
@@ -60,7 +127,7 @@ struct command {
 
 // The peer's two regions, as its first message names them.
 struct peer_regions {
-  remote_buffer gpu, host;
+  remote_buffer gpu, host, vmm;  // vmm.length == 0: no cuMemCreate region
 };
 
 inline std::string check_range(const std::vector<std::byte>& all, const command& c) {
@@ -92,13 +159,25 @@ inline int run_peer(const std::string& name, std::size_t gpu_bytes, std::size_t 
       co_return 1;
     }
     auto hmr = d->register_memory(h.span().first(host_bytes), access::all).value();
+    vmm_buffer v(gpu_bytes);
+    std::optional<memory_region> vmr;
+    if (v.p) {
+      auto r = d->register_memory({v.p, v.size}, access::all);
+      if (r)
+        vmr = std::move(*r);
+      else
+        std::fprintf(stderr, "peer: registering cuMemCreate memory: %s\n", r.error().message().c_str());
+    } else {
+      std::fprintf(stderr, "peer: no cuMemCreate memory: %s\n", v.why.c_str());
+    }
     auto l = d->listen(endpoint::unix_socket("@" + name).value());
     if (!l) co_return 1;
     auto c = co_await l->accept();
     if (!c) co_return 1;
-    std::array<std::byte, 2 * remote_buffer::wire_size> hello{};
+    std::array<std::byte, 3 * remote_buffer::wire_size> hello{};
     gmr->remote().serialize(std::span(hello).first<remote_buffer::wire_size>());
-    hmr.remote().serialize(std::span(hello).last<remote_buffer::wire_size>());
+    hmr.remote().serialize(std::span(hello).subspan<remote_buffer::wire_size, remote_buffer::wire_size>());
+    (vmr ? vmr->remote() : remote_buffer{}).serialize(std::span(hello).last<remote_buffer::wire_size>());
     if (!co_await c->send(hello)) co_return 1;
     std::vector<std::byte> staging;
     for (;;) {
@@ -127,6 +206,16 @@ inline int run_peer(const std::string& name, std::size_t gpu_bytes, std::size_t 
           cuda::check(cudaMemcpy(staging.data(), g.data(), gpu_bytes, cudaMemcpyDeviceToHost), "verify");
           for (std::size_t i = 0; i < gpu_bytes && answer == "ok"; ++i)
             if (staging[i] != std::byte{cmd.guard}) answer = "byte " + std::to_string(i) + " changed";
+          break;
+        case 'm':
+          if (!v.p) co_return 1;
+          cuda::check(cudaMemset(v.p, cmd.guard, v.size), "memset");
+          break;
+        case 'M':
+          if (!v.p) co_return 1;
+          staging.resize(v.size);
+          cuda::check(cudaMemcpy(staging.data(), v.p, v.size, cudaMemcpyDeviceToHost), "verify");
+          answer = check_range(staging, cmd);
           break;
         case 'H':
           staging.assign(h.data(), h.data() + host_bytes);
@@ -167,9 +256,10 @@ struct peer_process {
       if (cc) {
         c = std::move(*cc);
         auto m = co_await c.recv();
-        if (!m || m->size() != 2 * remote_buffer::wire_size) co_return false;
+        if (!m || m->size() != 3 * remote_buffer::wire_size) co_return false;
         r.gpu = remote_buffer::deserialize(m->data().first<remote_buffer::wire_size>());
-        r.host = remote_buffer::deserialize(m->data().last<remote_buffer::wire_size>());
+        r.host = remote_buffer::deserialize(m->data().subspan<remote_buffer::wire_size, remote_buffer::wire_size>());
+        r.vmm = remote_buffer::deserialize(m->data().last<remote_buffer::wire_size>());
         co_return true;
       }
       (void)co_await sleep_for(std::chrono::milliseconds(25));

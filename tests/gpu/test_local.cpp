@@ -132,6 +132,29 @@ task<void> data_cases(const char* self) {
     auto v = co_await peer.ask({'V', seed, 0, gpu_bytes, 0});
     EXPECT(v == "ok", "16 writes in flight, checked on the peer: %s", v.c_str());
   }
+  // cuMemCreate memory on the peer (shared as a POSIX fd): written from GPU
+  // and host memory, read back, its bounds checked.
+  EXPECT(peer.r.vmm.length > 0, "the peer has no cuMemCreate region (see its stderr)");
+  if (peer.r.vmm.length > 0) {
+    std::printf("cuMemCreate region: %llu bytes\n", (unsigned long long)peer.r.vmm.length);
+    for (auto rg : {range{0, 8}, range{4096 + 3, 1 << 20}, range{0, gpu_bytes}}) {
+      ++seed;
+      EXPECT(co_await peer.ask({'m', 0, 0, 0, 0x42}) == "ok", "fill vmm");
+      auto data = pattern(rg.len, seed);
+      cuda::check(cudaMemcpy(src.data(), data.data(), rg.len, cudaMemcpyHostToDevice), "stage");
+      auto w = co_await peer.c.write({src.data(), rg.len}, peer.r.vmm.slice(rg.off, rg.len).value());
+      EXPECT(w.has_value(), "GPU->cuMemCreate write %zu@%zu: %s", rg.len, rg.off, errstr(w).c_str());
+      auto v = co_await peer.ask({'M', seed, rg.off, rg.len, 0x42});
+      EXPECT(v == "ok", "GPU->cuMemCreate write %zu@%zu checked on the peer: %s", rg.len, rg.off, v.c_str());
+      std::vector<std::byte> back(rg.len);
+      auto r = co_await peer.c.read(back, peer.r.vmm.slice(rg.off, rg.len).value());
+      EXPECT(r.has_value() && back == data, "host<-cuMemCreate read %zu@%zu: %s", rg.len, rg.off, errstr(r).c_str());
+    }
+    auto w = co_await peer.c.write({src.data(), 64},
+                                   remote_buffer{peer.r.vmm.address + peer.r.vmm.length - 32, peer.r.vmm.rkey, 64});
+    EXPECT(!w && w.error() == make_error_code(errc::remote_access_error),
+           "cuMemCreate region, out of bounds: want remote_access_error, got %s", errstr(w).c_str());
+  }
   // Refused accesses: the connection stays, the peer's bytes untouched.
   {
     EXPECT(co_await peer.ask({'f', 0, 0, 0, 0x77}) == "ok", "fill");
