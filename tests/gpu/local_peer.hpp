@@ -274,6 +274,15 @@ struct peer_process {
     auto d = m->data();
     co_return std::string(reinterpret_cast<const char*>(d.data()), d.size());
   }
+  peer_process() = default;
+  peer_process(const peer_process&) = delete;
+  peer_process& operator=(const peer_process&) = delete;
+  ~peer_process() {  // a case that gave up early leaves no peer behind
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      (void)reap();
+    }
+  }
   // Waits for the process; its exit status (or 128 + signal).
   int reap() {
     int st = 0;
