@@ -7,6 +7,8 @@
 
 #include "stats.hpp"  // lib/local_provider: local_gpu_copies
 
+#include <shuttle/cuda/ordered.hpp>
+
 #include <cstdio>
 
 using namespace shuttle;
@@ -131,6 +133,21 @@ task<void> data_cases(const char* self) {
     EXPECT(ok, "16 writes in flight together");
     auto v = co_await peer.ask({'V', seed, 0, gpu_bytes, 0});
     EXPECT(v == "ok", "16 writes in flight, checked on the peer: %s", v.c_str());
+  }
+  // Stream-ordered (cuda/ordered.hpp): the write posted when the stream has
+  // produced the data (a copy enqueued on it just before), every byte there.
+  {
+    ++seed;
+    EXPECT(co_await peer.ask({'f', 0, 0, 0, 0}) == "ok", "fill");
+    auto data = pattern(gpu_bytes, seed);
+    std::memcpy(pinned.data(), data.data(), gpu_bytes);
+    cuda::stream st;
+    cuda::check(cudaMemsetAsync(src.data(), 0, gpu_bytes, st), "clear");
+    cuda::check(cudaMemcpyAsync(src.data(), pinned.data(), gpu_bytes, cudaMemcpyHostToDevice, st), "produce");
+    auto w = co_await cuda::write_after(st, peer.c, {src.data(), gpu_bytes}, peer.r.gpu);
+    EXPECT(w.has_value(), "write_after: %s", errstr(w).c_str());
+    auto v = co_await peer.ask({'V', seed, 0, gpu_bytes, 0});
+    EXPECT(v == "ok", "write_after, checked on the peer: %s", v.c_str());
   }
   // cuMemCreate memory on the peer (shared as a POSIX fd): written from GPU
   // and host memory, read back, its bounds checked.
