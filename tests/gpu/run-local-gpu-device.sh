@@ -6,7 +6,8 @@
 #   here:   bash tests/gpu/run-local-gpu-device.sh --build BUILD_DIR [dir=.device/local-gpu]
 #           (builds the programs below in BUILD_DIR and copies them to dir)
 #   device: bash tests/gpu/run-local-gpu-device.sh [dir=.device/local-gpu]
-#           (carry dir; ends with "=== overall: PASS" or "=== overall: FAIL")
+#           (carry dir; ends with "=== overall: PASS" or "=== overall: FAIL";
+#           every step has its own timeout, under 600 s in all)
 #
 # Runs: gpu-local (two processes on one GPU, every byte checked, refusals, a
 # peer killed mid-transfer), local-device (the provider's GPU logic with fake
@@ -47,10 +48,10 @@ nvidia-smi -L 2>&1 | head -4
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -3
 ls -la "$D"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
-run gpu-local 180 "$D/test_gpu_local"
-run local-device 60 "$D/transport_local_device"
-run conformance-local 120 env SHUTTLE_TRANSPORT=local "$D/transport_conformance"
-run local-provider 120 "$D/transport_local_provider"
+run gpu-local 150 "$D/test_gpu_local"
+run local-device 40 "$D/transport_local_device"
+run conformance-local 90 env SHUTTLE_TRANSPORT=local "$D/transport_conformance"
+run local-provider 90 "$D/transport_local_provider"
 # chunks of 64 MiB, in flight, latency iterations; then more in flight.
 run local_gpu_bench 90 "$D/local_gpu_bench" 64 8 3000
 run local_gpu_bench-16 60 "$D/local_gpu_bench" 128 16 1000
