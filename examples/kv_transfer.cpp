@@ -2,7 +2,7 @@
 // "decode" process, with block-list transfers (connection::write_blocks).
 //
 //   shuttle-kv-transfer [--layers L] [--blocks N] [--block-size BYTES]
-//                       [--transport auto|rdma|tcp-provider|local] [--addr ADDR] [--corrupt K]
+//                       [--transport auto|rdma|tcp-provider|local] [--addr ADDR] [--corrupt K] [--gpu]
 //
 // The decode process (forked first) holds a paged KV cache: per layer, a
 // pool of pages of BYTES each. For the request it takes N free pages per
@@ -14,15 +14,23 @@
 // write_with_imm (imm = layer) once the layer's blocks are in: decode checks
 // every byte of that layer's blocks as soon as it is told, while later
 // layers are still on the wire. Finally decode answers OK or the first bad
-// block. Host memory (GPU memory: not in this example yet).
+// block. Host memory; with --gpu (local transport), prefill's cache is in
+// GPU memory (cudaMalloc), each block a GPU copy into decode's cache, which
+// is then a shared block (shared_memory) the provider maps; exit 77 without
+// a GPU.
 //
 // Exit status: 0 if every block arrived intact, 1 on a mismatch or a
 // transport error, 2 for bad usage.
+#include <shuttle/local.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
+#ifdef SHUTTLE_HAVE_CUDA
+#include <shuttle/cuda/cuda.hpp>
+#endif
 
 #include "cli.hpp"
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -43,13 +51,14 @@ namespace {
 constexpr const char* kProg = "shuttle-kv-transfer";
 constexpr const char* kSynopsis =
     "usage: shuttle-kv-transfer [--layers L] [--blocks N] [--block-size BYTES]\n"
-    "                           [--transport auto|rdma|tcp-provider|local] [--addr ADDR] [--corrupt K]\n";
+    "                           [--transport auto|rdma|tcp-provider|local] [--addr ADDR] [--corrupt K] [--gpu]\n";
 
 struct options {
   std::uint64_t layers = 8, blocks = 256, block_size = 16384;
   transport_kind kind = transport_kind::automatic;
   std::string addr = "127.0.0.1";
   std::int64_t corrupt = -1;  // a logical block of the last layer damaged before it is sent (the test's check)
+  bool gpu = false;           // prefill's cache in GPU memory (local transport)
 };
 
 // The content of byte-word w of logical block b of layer l: what prefill
@@ -64,7 +73,9 @@ std::uint64_t word_of(std::uint64_t l, std::uint64_t b, std::uint64_t w) noexcep
 // A paged cache: `pages` pages of `page` bytes per layer, layers one after
 // the other; `table[l*n + b]`: the page of logical block b of layer l.
 struct paged_cache {
-  std::vector<std::byte> mem;
+  std::vector<std::byte> owned;
+  shared_memory shared;       // --gpu: decode's cache, mapped by the peer's provider
+  std::span<std::byte> mem;   // the one of them in use
   std::vector<std::uint32_t> table;
   std::uint64_t pages = 0, page = 0;
   std::uint64_t offset(std::uint64_t l, std::uint32_t p) const noexcept { return (l * pages + p) * page; }
@@ -72,11 +83,18 @@ struct paged_cache {
 
 // Pages 2*N per layer (the pool holds other requests' pages too), N of
 // them taken in a shuffled order.
-paged_cache make_cache(const options& o, unsigned seed) {
+paged_cache make_cache(const options& o, unsigned seed, bool shared = false) {
   paged_cache c;
   c.pages = 2 * o.blocks;
   c.page = o.block_size;
-  c.mem.resize(o.layers * c.pages * c.page);
+  const std::size_t bytes = o.layers * c.pages * c.page;
+  if (shared) {
+    c.shared = shared_memory::allocate(bytes).value();
+    c.mem = c.shared.span().first(bytes);
+  } else {
+    c.owned.resize(bytes);
+    c.mem = c.owned;
+  }
   std::mt19937 rng(seed);
   for (std::uint64_t l = 0; l < o.layers; ++l) {
     std::vector<std::uint32_t> p(c.pages);
@@ -104,7 +122,7 @@ int decode(const options& o, int port_pipe) {
   io_context ctx;
   return ctx.run([&]() -> task<int> {
     domain d = open_domain(o);
-    paged_cache c = make_cache(o, 2);
+    paged_cache c = make_cache(o, 2, o.gpu);
     auto mr = d.register_memory(c.mem, access::local_write | access::remote_write);
     if (!mr) co_return 1;
     auto l = d.listen(endpoint::parse(o.addr + ":0").value());
@@ -178,8 +196,20 @@ int prefill(const options& o, std::uint16_t port) {
       }
     if (o.corrupt >= 0)  // one word of one block, as a bug in the sender's layout would
       c.mem[c.offset(o.layers - 1, c.table[(o.layers - 1) * o.blocks + std::uint64_t(o.corrupt)]) + 8] ^= std::byte{1};
-    auto mr = d.register_memory(c.mem, access::local_write);
-    if (!mr) co_return 1;
+    std::span<std::byte> from = c.mem;  // what the blocks are written from
+#ifdef SHUTTLE_HAVE_CUDA
+    cuda::device_buffer dev;
+    if (o.gpu) {  // the cache in GPU memory, as a model's would be
+      dev = cuda::device_buffer(c.mem.size());
+      cuda::check(cudaMemcpy(dev.data(), c.mem.data(), c.mem.size(), cudaMemcpyHostToDevice), "cache to GPU");
+      from = {dev.data(), dev.size()};
+    }
+#endif
+    auto mr = d.register_memory(from, access::local_write);
+    if (!mr) {
+      std::fprintf(stderr, "%s: prefill: register: %s\n", kProg, mr.error().message().c_str());
+      co_return 1;
+    }
     auto conn = co_await with_timeout(d.connect(endpoint::parse(o.addr + ":" + std::to_string(port)).value()), 30s);
     if (!conn) {
       std::fprintf(stderr, "%s: prefill: connect: %s\n", kProg, conn.error().message().c_str());
@@ -202,7 +232,7 @@ int prefill(const options& o, std::uint16_t port) {
       for (std::uint64_t b = 0; b < o.blocks; ++b)
         blocks[b] = {c.offset(l, c.table[l * o.blocks + b]), (l * remote_pages + remote_table[l * o.blocks + b]) * o.block_size,
                      o.block_size};
-      auto r = co_await conn->write_blocks(c.mem, remote, blocks, {.notify = static_cast<std::uint32_t>(l)});
+      auto r = co_await conn->write_blocks(from, remote, blocks, {.notify = static_cast<std::uint32_t>(l)});
       if (!r) {
         std::fprintf(stderr, "%s: prefill: layer %llu, block %zu: %s\n", kProg, static_cast<unsigned long long>(l),
                      r.failed_block(), r.error().message().c_str());
@@ -214,8 +244,8 @@ int prefill(const options& o, std::uint16_t port) {
     if (!verdict) co_return 1;
     std::string v(reinterpret_cast<const char*>(verdict->data().data()), verdict->size());
     const double bytes = double(o.layers * o.blocks * o.block_size);
-    std::printf("prefill: %s, %llu layers x %llu blocks, %.1f MB in %.3f s (%.3f GB/s); decode says %s\n",
-                to_string(d.kind()), static_cast<unsigned long long>(o.layers),
+    std::printf("prefill: %s%s, %llu layers x %llu blocks, %.1f MB in %.3f s (%.3f GB/s); decode says %s\n",
+                to_string(d.kind()), o.gpu ? " (cache in GPU memory)" : "", static_cast<unsigned long long>(o.layers),
                 static_cast<unsigned long long>(o.blocks), bytes / 1e6, s, bytes / s / 1e9, v.c_str());
     (void)co_await conn->close();
     co_return v == "OK" ? 0 : 1;
@@ -255,7 +285,15 @@ int main(int argc, char** argv) {
   app.add_option("--corrupt", o.corrupt, "damage this block of the last layer before sending it (decode must say BAD)")
       ->type_name("K")
       ->transform(cli::count(0, 65535));
+  app.add_flag("--gpu", o.gpu, "prefill's cache in GPU memory (with --transport local; exit 77 without a GPU)");
   cli::parse(app, argc, argv);
+  if (o.gpu && !local) cli::fail(app, "--gpu: with --transport local only");
+#ifndef SHUTTLE_HAVE_CUDA
+  if (o.gpu) {
+    std::fprintf(stderr, "%s: --gpu: built without CUDA\n", kProg);
+    return 77;
+  }
+#endif
   if (o.corrupt >= std::int64_t(o.blocks)) cli::fail(app, "--corrupt: not a block (0 to --blocks - 1)");
   if (o.block_size % 8) cli::fail(app, "--block-size: bad value '" + std::to_string(o.block_size) + "' (a multiple of 8)");
   if (o.layers * 2 * o.blocks * o.block_size > (std::uint64_t(1) << 32))
@@ -274,6 +312,14 @@ int main(int argc, char** argv) {
     std::_Exit(rc);
   }
   ::close(fds[1]);
+#ifdef SHUTTLE_HAVE_CUDA
+  if (o.gpu && cuda::device_count() == 0) {  // (after the fork: decode never touches CUDA)
+    std::fprintf(stderr, "%s: --gpu: no CUDA device: skipped\n", kProg);
+    ::kill(child, SIGTERM);
+    ::waitpid(child, nullptr, 0);
+    return 77;
+  }
+#endif
   std::uint16_t port = 0;
   int rc = 1;
   if (::read(fds[0], &port, sizeof port) == sizeof port)

@@ -56,6 +56,11 @@ std::string describe_device(int dev) {
 }
 
 namespace detail {
+// local_hooks.cpp: its installer gives the local provider GPU memory; this
+// reference keeps it in a static link of any program using this layer.
+extern const int local_hooks_anchor;
+[[gnu::used]] const int* const keep_local_hooks = &local_hooks_anchor;
+
 const driver_api& driver() {
   static driver_api api;
   static std::once_flag once;
@@ -76,6 +81,15 @@ const driver_api& driver() {
     get("cuDeviceGetAttribute", api.device_get_attribute);
     get("cuPointerGetAttribute", api.pointer_get_attribute);
     get("cuMemGetAddressRange", api.mem_get_address_range);
+    get("cuMemRetainAllocationHandle", api.mem_retain_allocation_handle);
+    get("cuMemExportToShareableHandle", api.mem_export_to_shareable_handle);
+    get("cuMemImportFromShareableHandle", api.mem_import_from_shareable_handle);
+    get("cuMemAddressReserve", api.mem_address_reserve);
+    get("cuMemAddressFree", api.mem_address_free);
+    get("cuMemMap", api.mem_map);
+    get("cuMemUnmap", api.mem_unmap);
+    get("cuMemSetAccess", api.mem_set_access);
+    get("cuMemRelease", api.mem_release);
   });
   return api;
 }

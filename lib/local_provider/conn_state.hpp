@@ -4,14 +4,15 @@
 // memory that is not shared, batches, prepared operations, grants, errors,
 // close and teardown, all with the tcp provider's semantics.
 //
-// What is local: the peer's shared regions, mapped here. The first access
-// to an rkey goes through the socket and asks the peer, on the service
-// channel, whether it may be mapped (service.cpp); once the answer is in,
-// accesses to it are done here (operations.cpp): a memcpy or an
-// std::atomic_ref on the mapping, checked against the region's bounds and
-// rights and against the peer's key-table word (still registered?), and
-// only while nothing of ours is in flight in the engine (RC order: an
-// access done here must not overtake one still queued there).
+// What is local: the peer's shared regions, mapped here. The first write
+// or read to an rkey asks the peer, on the service channel, whether it may
+// be mapped (service.cpp), and waits for the answer (device.cpp); once it
+// is in, accesses to it are done here (operations.cpp): a memcpy or an
+// std::atomic_ref on the mapping, or a copy on the GPU for GPU memory
+// (device.cpp), checked against the region's bounds and rights and against
+// the peer's key-table word (still registered?), and only while nothing of
+// ours is in flight in the engine (RC order: an access done here must not
+// overtake one still queued there).
 #pragma once
 
 #include "domain_state.hpp"
@@ -19,7 +20,11 @@
 
 #include "../tcp_provider/conn_state.hpp"
 
+#include <shuttle/sync.hpp>
+
+#include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <unordered_map>
 
@@ -38,13 +43,28 @@ struct mapping {
 // One of the peer's regions as its answer described it.
 struct peer_region {
   bool ok = false;  // refused: accessed through the socket
+  bool gpu = false;  // GPU memory (imported through device_hooks): copies on the GPU, never the socket
+  std::error_code unusable;  // a GPU region we could not import: its accesses fail with this
   std::uint32_t rkey = 0;
   std::uint32_t slot = 0;
   std::uint32_t access = 0;
   std::uint64_t addr = 0;
   std::uint64_t length = 0;
   std::byte* at = nullptr;  // `addr` in our mapping
-  std::shared_ptr<mapping> map;
+  std::shared_ptr<void> map;  // the mapping (a mapping, or an import), held by accesses in flight too
+};
+
+// A connection's copy queue (device_hooks: a stream), opened on its first
+// GPU copy, closed with the connection.
+struct gpu_queue {
+  const device_hooks* hooks = nullptr;
+  void* q = nullptr;
+  gpu_queue() = default;
+  gpu_queue(const gpu_queue&) = delete;
+  gpu_queue& operator=(const gpu_queue&) = delete;
+  ~gpu_queue() {
+    if (q) hooks->close_queue(q);
+  }
 };
 
 // Regions remembered per connection, and queries outstanding at once: a
@@ -66,6 +86,22 @@ struct conn_ext {
   unsigned since_check = 0;
   endpoint named;  // what the application connected to (empty: accepted)
 
+  // The ordered lane (device.cpp). Operations that cannot be done at once
+  // (a GPU copy, an access waiting for the peer's answer, anything posted
+  // while either is pending) queue here in order, so that none overtakes
+  // an earlier one (RC order), and leave it once started.
+  std::deque<std::uint64_t> lane;  // tickets, first: the one that may start
+  std::uint64_t next_ticket = 0;
+  std::size_t gpu_inflight = 0;  // copies enqueued, not yet complete
+  bool service_over = false;     // the service loop ended: no more answers
+  event changed;                 // pulsed when any of the above moves, or an answer comes
+  void pulse() noexcept {
+    changed.set();
+    changed.reset();
+  }
+  bool ordered_busy() const noexcept { return !lane.empty() || gpu_inflight != 0; }
+  gpu_queue copies;
+
   conn_ext() = default;
   conn_ext(const conn_ext&) = delete;
   conn_ext& operator=(const conn_ext&) = delete;
@@ -77,6 +113,21 @@ struct conn_ext {
   // Asks the peer about `rkey` (once; bounded). Failures are silent: the
   // access goes through the socket anyway.
   void ask(std::uint32_t rkey) noexcept;
+};
+
+// Our ticket's place in the lane, given up once the operation has started
+// (or given up on).
+struct lane_place {  // (device.cpp)
+  conn_ext& x;
+  std::uint64_t ticket;
+  bool in = true;
+  void leave() noexcept {
+    if (!in) return;
+    in = false;
+    if (auto it = std::find(x.lane.begin(), x.lane.end(), ticket); it != x.lane.end()) x.lane.erase(it);
+    x.pulse();
+  }
+  ~lane_place() { leave(); }
 };
 
 inline conn_ext& ext_of(tp::conn_state& s) noexcept { return *static_cast<conn_ext*>(s.ext.get()); }

@@ -15,6 +15,7 @@ task<result<memory_grant>> local_connection::grant(const memory_region& r, std::
   if (auto c = check_grant(r, offset, len, rights); !c) co_return c.error();
   auto region = std::dynamic_pointer_cast<local_region>(impl_access::of(r));
   if (!region || region->dom != x_.dom) co_return std::make_error_code(std::errc::invalid_argument);
+  if (!region->engine) co_return make_error_code(errc::not_supported);  // GPU memory: the engine cannot touch it
   auto g = co_await inner_.grant(memory_region(region->engine), offset, len, rights);
   if (g) impl_access::of(*g)->owner = this;  // revoked through this connection
   co_return g;

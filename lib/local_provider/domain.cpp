@@ -31,12 +31,13 @@ key_table::~key_table() {
 }
 
 local_region::~local_region() {
-  if (block) {
+  if (shared()) {
     dom->keys->clear(slot);  // from now on, peers' direct accesses are refused
     if (auto it = dom->shared.find(rkey); it != dom->shared.end() && it->second.expired()) dom->shared.erase(it);
   }
   auto it = dom->cache.find({reinterpret_cast<std::uintptr_t>(addr), length, access});
   if (it != dom->cache.end() && it->second.expired()) dom->cache.erase(it);
+  if (gpu_fd >= 0) ::close(gpu_fd);
   // `engine` goes next: the socket's accesses are refused too.
 }
 
@@ -65,7 +66,9 @@ class local_domain final : public domain_impl {
     if (auto it = st_->cache.find(key); it != st_->cache.end()) {
       if (auto r = it->second.lock()) return memory_region(std::move(r));
     }
-    auto rkey = st_->engine->new_key();
+    if (const device_hooks* h = installed_device_hooks(); h && h->is_device(mem.data(), mem.size()))
+      return register_gpu(*h, mem, flags, key);
+    auto rkey = fresh_key();
     if (!rkey) return rkey.error();
     auto e = std::make_shared<tp::tcp_region>();
     e->dom = st_->engine;
@@ -92,6 +95,43 @@ class local_domain final : public domain_impl {
     }
     st_->cache[key] = r;
     return memory_region(std::move(r));
+  }
+
+  // GPU memory (device.cpp says how it is accessed): exported, with a
+  // key-table word, or refused (errc::not_supported: memory that cannot be
+  // exported, such as cuMemCreate's, or no word free); never handed to the
+  // engine, whose reader would touch it with the CPU.
+  result<memory_region> register_gpu(const device_hooks& h, std::span<std::byte> mem, unsigned flags,
+                                     const domain_state::cache_key& key) {
+    auto r = std::make_shared<local_region>();
+    r->dom = st_;  // (its destructor needs it, should we give up below)
+    r->addr = mem.data();
+    r->length = mem.size();
+    r->access = flags;
+    auto off = h.export_handle(mem.data(), mem.size(), r->handle);
+    if (!off && h.export_fd) off = h.export_fd(mem.data(), mem.size(), &r->gpu_fd, &r->gpu_size);  // cuMemCreate's
+    if (!off) return off.error();
+    auto rkey = fresh_key();
+    if (!rkey) return rkey.error();
+    auto slot = st_->keys->take();
+    if (!slot) return make_error_code(errc::not_supported);
+    r->rkey = r->lkey = *rkey;
+    r->gpu = true;
+    r->gpu_offset = *off;
+    r->slot = *slot;
+    st_->keys->set(*slot, *rkey);
+    st_->shared[*rkey] = r;
+    st_->cache[key] = r;
+    return memory_region(std::move(r));
+  }
+
+  // A key neither the engine's table nor a GPU registration (which has no
+  // engine region) holds.
+  result<std::uint32_t> fresh_key() {
+    for (;;) {
+      auto k = st_->engine->new_key();
+      if (!k || !st_->shared.count(*k)) return k;
+    }
   }
 
   task<result<connection>> connect(endpoint remote, connection_options opts) override {

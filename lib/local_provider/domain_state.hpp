@@ -30,11 +30,21 @@ struct domain_state;
 // carries its rkey while it is registered: a peer that mapped the block
 // checks the word before each access of its own, so that deregistering
 // stops peers' direct accesses as it stops the socket's.
+//
+// GPU memory (device_hooks.hpp) is always shared: its CUDA IPC handle goes
+// in the answer, and it has no engine region (the engine's reader would
+// touch it with the CPU), so an access through the socket finds no such key.
 struct local_region final : region_impl {
   std::shared_ptr<domain_state> dom;
-  std::shared_ptr<tp::tcp_region> engine;
+  std::shared_ptr<tp::tcp_region> engine;  // null for GPU memory
   std::shared_ptr<shared_block> block;  // null: not shared, accessed through the socket only
-  std::uint32_t slot = 0;               // block's: its key-table word
+  std::uint32_t slot = 0;               // block's or GPU memory's: its key-table word
+  bool gpu = false;                     // GPU memory: exported as `handle`, the region at `gpu_offset` in it
+  gpu_handle handle{};
+  std::uint64_t gpu_offset = 0;
+  int gpu_fd = -1;              // cuMemCreate memory: exported as this fd instead (of gpu_size bytes)
+  std::uint64_t gpu_size = 0;
+  bool shared() const noexcept { return block || gpu; }
   ~local_region() override;
 };
 

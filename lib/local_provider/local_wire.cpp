@@ -6,6 +6,9 @@
 #include <shuttle/error.hpp>
 #include <shuttle/transport.hpp>
 
+#include <algorithm>
+#include <cstring>
+
 namespace shuttle::detail::local_wire {
 
 namespace {
@@ -51,6 +54,18 @@ void encode_answer(const answer& a, std::span<std::byte, answer_size> out) noexc
   put_le(out.data() + 44, a.slot, 4);
 }
 
+std::size_t encode_full_answer(const answer& a, std::span<std::byte, max_message> out) noexcept {
+  encode_answer(a, out.first<answer_size>());
+  if (!a.ok || a.kind == shared_kind::host_memfd) return answer_size;
+  if (a.kind == shared_kind::cuda_ipc) {
+    std::memcpy(out.data() + answer_size, a.handle.data(), gpu_handle_size);
+  } else {
+    std::fill_n(out.data() + answer_size, gpu_handle_size, std::byte{0});
+    put_le(out.data() + answer_size, a.alloc_size, 8);
+  }
+  return gpu_answer_size;
+}
+
 result<message> decode_message(std::span<const std::byte> in) noexcept {
   if (in.size() < 8) return bad();
   message m;
@@ -61,7 +76,7 @@ result<message> decode_message(std::span<const std::byte> in) noexcept {
     m.type = msg_type::query;
     return m;
   }
-  if (type != static_cast<std::uint32_t>(msg_type::answer) || in.size() != answer_size) return bad();
+  if (type != static_cast<std::uint32_t>(msg_type::answer) || in.size() < answer_size) return bad();
   m.type = msg_type::answer;
   answer& a = m.ans;
   a.rkey = m.rkey;
@@ -73,16 +88,26 @@ result<message> decode_message(std::span<const std::byte> in) noexcept {
   a.access = static_cast<std::uint32_t>(get_le(in.data() + 40, 4));
   a.slot = static_cast<std::uint32_t>(get_le(in.data() + 44, 4));
   if (status == 1) {  // refused: nothing else may be set
-    if (kind || a.addr || a.length || a.offset || a.access || a.slot) return bad();
+    if (in.size() != answer_size || kind || a.addr || a.length || a.offset || a.access || a.slot) return bad();
     return m;
   }
   constexpr unsigned remote = access::remote_write | access::remote_read | access::remote_atomic;
-  if (status != 0 || kind != static_cast<std::uint32_t>(shared_kind::host_memfd) || a.length == 0 ||
+  const bool gpu = kind == static_cast<std::uint32_t>(shared_kind::cuda_ipc) ||
+                   kind == static_cast<std::uint32_t>(shared_kind::cuda_fd);
+  if (in.size() != (gpu ? gpu_answer_size : answer_size)) return bad();
+  if (status != 0 || (kind != static_cast<std::uint32_t>(shared_kind::host_memfd) && !gpu) || a.length == 0 ||
       a.addr + a.length < a.addr || a.offset + a.length < a.offset || a.slot >= key_slots ||
       (a.access & ~(remote | access::local_write)) != 0 || (a.access & remote) == 0)
     return bad();
   a.ok = true;
-  a.kind = shared_kind::host_memfd;
+  a.kind = static_cast<shared_kind>(kind);
+  if (a.kind == shared_kind::cuda_ipc) std::memcpy(a.handle.data(), in.data() + answer_size, gpu_handle_size);
+  if (a.kind == shared_kind::cuda_fd) {
+    a.alloc_size = get_le(in.data() + answer_size, 8);
+    for (std::size_t i = 8; i < gpu_handle_size; ++i)
+      if (in[answer_size + i] != std::byte{0}) return bad();
+    if (a.offset > a.alloc_size || a.length > a.alloc_size - a.offset) return bad();
+  }
   return m;
 }
 

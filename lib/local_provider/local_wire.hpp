@@ -13,6 +13,7 @@
 // Pure (bytes in, values out), so that the tests feed it garbage directly.
 #pragma once
 
+#include "device_hooks.hpp"
 #include "shared_memory.hpp"
 
 #include <shuttle/result.hpp>
@@ -22,6 +23,9 @@
 #include <span>
 
 namespace shuttle::detail::local_wire {
+
+using local_provider::gpu_handle;
+using local_provider::gpu_handle_size;
 
 inline constexpr std::uint32_t hello_magic = 0x4F4C4853;  // "SHLO" little-endian
 inline constexpr std::uint16_t protocol_version = 1;
@@ -48,7 +52,11 @@ result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept;
 enum class msg_type : std::uint32_t { query = 1, answer = 2 };
 inline constexpr std::size_t query_size = 8;
 inline constexpr std::size_t answer_size = 48;
-inline constexpr std::size_t max_message = answer_size;
+// A cuda_ipc answer: the same, then the handle (no descriptor passed); a
+// cuda_fd answer: the same, then the allocation's size in the handle's
+// first 8 bytes (little-endian), the fd passed along.
+inline constexpr std::size_t gpu_answer_size = answer_size + gpu_handle_size;
+inline constexpr std::size_t max_message = gpu_answer_size;
 
 struct answer {
   std::uint32_t rkey = 0;
@@ -59,10 +67,16 @@ struct answer {
   std::uint64_t offset = 0;  // where it starts in the memory handle passed along
   std::uint32_t access = 0;  // access:: rights
   std::uint32_t slot = 0;    // its word in the target's key table
+  gpu_handle handle{};       // cuda_ipc: the allocation's IPC handle (offset: the region's in it)
+  std::uint64_t alloc_size = 0;  // cuda_fd: the allocation's size (offset: the region's in it)
 };
 
 void encode_query(std::uint32_t rkey, std::span<std::byte, query_size> out) noexcept;
+// The answer's first answer_size bytes (all of a host_memfd answer's).
 void encode_answer(const answer& a, std::span<std::byte, answer_size> out) noexcept;
+// The whole answer: answer_size bytes, or gpu_answer_size for a cuda_ipc
+// one (its handle follows); returns how many.
+std::size_t encode_full_answer(const answer& a, std::span<std::byte, max_message> out) noexcept;
 
 // One service message, decoded: a query's rkey, or an answer.
 struct message {

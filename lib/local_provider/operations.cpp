@@ -1,5 +1,6 @@
 // One-sided operations on the peer's shared regions, done here: a memcpy or
-// an std::atomic_ref on our mapping (conn_state.hpp says when). Anything
+// an std::atomic_ref on our mapping (conn_state.hpp says when; GPU memory
+// and the lane: device.cpp). Anything
 // else, and anything that does not check out here (an unknown key, a range
 // or right the region lacks, a misaligned atomic), goes to the engine,
 // whose target-side checks and errors are the provider's: what is refused
@@ -47,7 +48,7 @@ std::byte* local_connection::direct(const remote_buffer& r, std::size_t len, uns
     return nullptr;
   }
   const peer_region& pr = it->second;
-  if (!pr.ok || (pr.access & right) != right || r.address < pr.addr) return nullptr;
+  if (!pr.ok || pr.gpu || (pr.access & right) != right || r.address < pr.addr) return nullptr;
   const std::uint64_t off = r.address - pr.addr;
   if (off > pr.length || len > pr.length - off) return nullptr;
   // Still registered? (A word that no longer holds the key: the region, or
@@ -61,26 +62,96 @@ std::byte* local_connection::direct(const remote_buffer& r, std::size_t len, uns
   return pr.at + off;
 }
 
-void local_connection::write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) {
-  if (std::byte* p = direct(remote, local.size(), access::remote_write)) {
-    std::memcpy(p, local.data(), local.size());
-    out.set_result({});
-    return;
+// Writes and reads. Host memory on both sides: a memcpy on our mapping, as
+// direct() allows. GPU memory on either side (device_hooks.hpp): a copy on
+// the GPU, from the lane (device.cpp), never through the socket (the
+// engine's CPU copies would fault on it): what the socket would have done
+// fails with a reason instead. An rkey not answered yet waits for the
+// answer (a GPU region cannot be reached through the socket meanwhile).
+local_connection::route local_connection::plan(const remote_buffer& r, const std::byte* local, std::size_t len,
+                                               unsigned right) noexcept {
+  const device_hooks* h = installed_device_hooks();
+  const bool local_dev = h && len != 0 && h->is_device(local, len);
+  const auto fail = [](std::error_code ec) { return route{route::how::fail, nullptr, ec}; };
+  const route engine = local_dev ? fail(make_error_code(errc::unregistered_device_memory)) : route{};
+  const tp::conn_state& s = *s_;
+  if (len == 0 || len > tp::max_rdma_length) return route{};  // the engine refuses it without touching it
+  if (s.state() != tp::conn_state::phase::open) return local_dev ? fail(s.later_error()) : route{};
+  auto it = x_.regions.find(r.rkey);
+  if (it == x_.regions.end()) return x_.service_over ? engine : route{route::how::ask};
+  const peer_region& pr = it->second;
+  if (pr.unusable) return fail(pr.unusable);
+  if (!pr.ok) return engine;
+  const bool gpu = pr.gpu;
+  const auto refused = gpu ? fail(make_error_code(errc::remote_access_error)) : engine;
+  if ((pr.access & right) != right || r.address < pr.addr) return refused;
+  const std::uint64_t off = r.address - pr.addr;
+  if (off > pr.length || len > pr.length - off) return refused;
+  if (x_.peer_key(pr.slot) != pr.rkey) {  // deregistered at the peer
+    x_.regions.erase(it);
+    return refused;
   }
-  inner_.write(out, local, remote);
+  if (gpu || local_dev) return route{route::how::gpu, pr.at + off};
+  // RC order: nothing of ours may be queued or in flight in the engine.
+  if (!s.pending.empty() || s.slot_waiters || s.credit_waiters || s.responder_waiters) return route{};
+  if (peer_hung_up()) return route{};  // the engine reads what the peer left, then fails
+  ++direct_accesses;
+  return route{route::how::host, pr.at + off};
+}
+
+void local_connection::write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote) {
+  if (!x_.ordered_busy()) {
+    auto rt = plan(remote, local.data(), local.size(), access::remote_write);
+    if (rt.how == route::how::host) {
+      std::memcpy(rt.at, local.data(), local.size());
+      out.set_result({});
+      return;
+    }
+    if (rt.how == route::how::engine) return inner_.write(out, local, remote);
+    if (rt.how == route::how::fail) return out.set_result(rt.ec);
+  }
+  // A GPU copy, an access waiting for the peer's answer, or one behind them.
+  out.set_task(in_lane_void({lane_op::kind::write, const_cast<std::byte*>(local.data()), local.size(), remote}));
 }
 
 void local_connection::read(op_slot<void>& out, std::span<std::byte> local, remote_buffer remote) {
-  if (std::byte* p = direct(remote, local.size(), access::remote_read)) {
-    std::memcpy(local.data(), p, local.size());
-    out.set_result({});
-    return;
+  if (!x_.ordered_busy()) {
+    auto rt = plan(remote, local.data(), local.size(), access::remote_read);
+    if (rt.how == route::how::host) {
+      std::memcpy(local.data(), rt.at, local.size());
+      out.set_result({});
+      return;
+    }
+    if (rt.how == route::how::engine) return inner_.read(out, local, remote);
+    if (rt.how == route::how::fail) return out.set_result(rt.ec);
   }
-  inner_.read(out, local, remote);
+  out.set_task(in_lane_void({lane_op::kind::read, local.data(), local.size(), remote}));
 }
 
 void local_connection::compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
                                         std::uint64_t desired) {
+  if (x_.ordered_busy())
+    return out.set_task(in_lane({lane_op::kind::cas, nullptr, 8, remote, 0, expected, desired}));
+  cas_now(out, remote, expected, desired);
+}
+
+void local_connection::fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) {
+  if (x_.ordered_busy()) return out.set_task(in_lane({lane_op::kind::faa, nullptr, 8, remote, 0, add}));
+  faa_now(out, remote, add);
+}
+
+namespace {
+// Atomics on a peer's GPU memory: no CPU word to take, and the engine
+// cannot reach it either.
+bool on_gpu(const conn_ext& x, std::uint32_t rkey) {
+  auto it = x.regions.find(rkey);
+  return it != x.regions.end() && it->second.gpu;
+}
+}  // namespace
+
+void local_connection::cas_now(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
+                               std::uint64_t desired) {
+  if (on_gpu(x_, remote.rkey)) return out.set_result(make_error_code(errc::not_supported));
   if (remote.address % 8 == 0) {
     if (std::byte* p = direct(remote, 8, access::remote_atomic)) {
       std::atomic_ref<std::uint64_t> word(*reinterpret_cast<std::uint64_t*>(p));
@@ -92,7 +163,8 @@ void local_connection::compare_and_swap(op_slot<std::uint64_t>& out, remote_buff
   inner_.compare_and_swap(out, remote, expected, desired);
 }
 
-void local_connection::fetch_and_add(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) {
+void local_connection::faa_now(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t add) {
+  if (on_gpu(x_, remote.rkey)) return out.set_result(make_error_code(errc::not_supported));
   if (remote.address % 8 == 0) {
     if (std::byte* p = direct(remote, 8, access::remote_atomic)) {
       std::atomic_ref<std::uint64_t> word(*reinterpret_cast<std::uint64_t*>(p));

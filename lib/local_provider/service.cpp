@@ -26,20 +26,64 @@ bool answer_query(conn_ext& x, std::uint32_t rkey) {
   auto it = x.dom->shared.find(rkey);
   if (auto r = it != x.dom->shared.end() ? it->second.lock() : nullptr; r && (r->access & remote_rights)) {
     a.ok = true;
-    a.kind = r->block->kind;
     a.addr = reinterpret_cast<std::uint64_t>(r->addr);
     a.length = r->length;
-    a.offset = static_cast<std::uint64_t>(r->addr - r->block->base);
     a.access = r->access;
     a.slot = r->slot;
-    pass = r->block->fd;
+    if (r->gpu && r->gpu_fd >= 0) {  // cuMemCreate memory: its fd goes along
+      a.kind = shared_kind::cuda_fd;
+      a.offset = r->gpu_offset;
+      a.alloc_size = r->gpu_size;
+      pass = r->gpu_fd;
+    } else if (r->gpu) {  // its IPC handle goes in the answer
+      a.kind = shared_kind::cuda_ipc;
+      a.offset = r->gpu_offset;
+      a.handle = r->handle;
+    } else {
+      a.kind = r->block->kind;
+      a.offset = static_cast<std::uint64_t>(r->addr - r->block->base);
+      pass = r->block->fd;
+    }
   }
-  std::array<std::byte, local_wire::answer_size> out{};
-  local_wire::encode_answer(a, out);
+  std::array<std::byte, local_wire::max_message> out{};
+  const std::size_t n = local_wire::encode_full_answer(a, out);
   // The peer asks at most max_queries at once and reads its answers: a full
   // channel is a peer flooding us.
-  return send_with_fds(x.service_fd, out, pass >= 0 ? std::span<const int>(&pass, 1) : std::span<const int>{})
+  return send_with_fds(x.service_fd, std::span(out).first(n),
+                       pass >= 0 ? std::span<const int>(&pass, 1) : std::span<const int>{})
       .has_value();
+}
+
+// A GPU region's answer: its handle imported (once per process), or the
+// reason it cannot be (its accesses fail with it: the socket cannot reach
+// GPU memory). False: the answer contradicts itself (a range past the
+// allocation it names), a protocol error.
+bool take_gpu_answer(const local_wire::answer& a, peer_region& pr, int fd) {
+  pr.gpu = true;
+  const device_hooks* h = installed_device_hooks();
+  if (!h) {  // no CUDA layer in this process
+    pr.unusable = make_error_code(errc::not_supported);
+    return true;
+  }
+  if (a.kind == shared_kind::cuda_fd && !h->import_fd) {
+    pr.unusable = make_error_code(errc::not_supported);
+    return true;
+  }
+  auto imp = a.kind == shared_kind::cuda_fd ? h->import_fd(fd, a.alloc_size) : h->import_handle(a.handle);
+  if (!imp) {  // a forged or stale handle, or a GPU this one cannot reach
+    pr.unusable = make_error_code(errc::remote_access_error);
+    return true;
+  }
+  const device_hooks::imported got = *imp;
+  pr.map = std::shared_ptr<void>(got.base, [h](void* b) { h->release_import(static_cast<std::byte*>(b)); });
+  if (a.offset > got.size || a.length > got.size - a.offset) return false;
+  pr.ok = true;
+  pr.at = got.base + a.offset;
+  pr.addr = a.addr;
+  pr.length = a.length;
+  pr.access = a.access;
+  pr.slot = a.slot;
+  return true;
 }
 
 // Takes an answer: maps the region (the rights it grants: write too if it
@@ -53,6 +97,10 @@ bool take_answer(conn_ext& x, const local_wire::answer& a, fd_list& fds) {
   pr.rkey = a.rkey;
   if (!a.ok) {
     if (!fds.fds.empty()) return false;
+  } else if (a.kind == shared_kind::cuda_ipc) {
+    if (!fds.fds.empty() || !take_gpu_answer(a, pr, -1)) return false;
+  } else if (a.kind == shared_kind::cuda_fd) {
+    if (fds.fds.size() != 1 || !take_gpu_answer(a, pr, fds.fds[0])) return false;
   } else {
     if (fds.fds.size() != 1) return false;
     auto size = check_sealed_memfd(fds.fds[0]);
@@ -73,6 +121,7 @@ bool take_answer(conn_ext& x, const local_wire::answer& a, fd_list& fds) {
     }
   }
   x.regions[a.rkey] = std::move(pr);
+  x.pulse();  // accesses waiting for it (device.cpp)
   return true;
 }
 
@@ -88,6 +137,13 @@ bool handle(conn_ext& x, std::span<const std::byte> bytes, fd_list& fds) {
 
 task<void> service_loop(std::shared_ptr<tp::conn_state> s) {
   conn_ext& x = ext_of(*s);
+  struct over {  // however it ends: accesses waiting for an answer stop waiting
+    conn_ext& x;
+    ~over() {
+      x.service_over = true;
+      x.pulse();
+    }
+  } guard{x};
   std::array<std::byte, local_wire::max_message + 1> buf;  // one byte more: an oversize message is caught
   bool failed = false;
   while (s->state() == tp::conn_state::phase::open && !failed) {

@@ -11,10 +11,12 @@
 
 namespace shuttle::detail {
 
-// Kinds of memory a peer may map (local_wire.hpp, the answer's `kind`).
-// Only host memfds today; a GPU block (a cuMem POSIX fd, a CUDA IPC handle)
-// is another kind with the same answer: a handle, an offset, a length.
-enum class shared_kind : std::uint32_t { host_memfd = 1 };
+// Kinds of memory a peer may map (local_wire.hpp, the answer's `kind`):
+// a host memfd passed along (SCM_RIGHTS), GPU memory whose CUDA IPC handle
+// the answer carries, or cuMemCreate GPU memory whose POSIX fd is passed
+// along (device_hooks.hpp). All with the same answer: a handle, an offset,
+// a length.
+enum class shared_kind : std::uint32_t { host_memfd = 1, cuda_ipc = 2, cuda_fd = 3 };
 
 struct shared_block {
   int fd = -1;

@@ -1,0 +1,263 @@
+// The local provider's view of GPU memory (lib/local_provider/
+// device_hooks.hpp), installed when this layer is linked in: device memory
+// told from host memory, registrations exported as CUDA IPC handles, a
+// peer's handles imported once per process, and one-sided accesses done as
+// cudaMemcpyAsync on the connection's stream, awaited on the loop.
+#include "../local_provider/device_hooks.hpp"
+
+#include "driver.hpp"
+
+#include <shuttle/cuda/cuda.hpp>
+#include <shuttle/error.hpp>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+namespace shuttle::cuda {
+namespace {
+
+namespace lp = shuttle::detail::local_provider;
+
+bool is_device(const void* p, std::size_t) noexcept {
+  auto& d = detail::driver();
+  if (!d.pointer_get_attribute) return false;  // no driver: no device memory
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  unsigned int type = 0;
+  if (d.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) != CUDA_SUCCESS) return false;
+  if (type != CU_MEMORYTYPE_DEVICE) return false;
+  unsigned int managed = 0;  // managed memory is the CPU's to read too (it migrates)
+  return d.pointer_get_attribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr) != CUDA_SUCCESS || !managed;
+}
+
+result<std::uint64_t> export_handle(const void* p, std::size_t len, lp::gpu_handle& out) noexcept {
+  auto& d = detail::driver();
+  if (!d.mem_get_address_range) return make_error_code(shuttle::errc::not_supported);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  if (d.mem_get_address_range(&base, &size, ptr) != CUDA_SUCCESS || ptr - base > size || len > size - (ptr - base))
+    return make_error_code(shuttle::errc::not_supported);
+  cudaIpcMemHandle_t h{};
+  static_assert(sizeof h == lp::gpu_handle_size);
+  // Fails for memory from cuMemCreate (no IPC handle; a POSIX-fd export
+  // would be its path) and for another process's imported memory.
+  if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return make_error_code(shuttle::errc::not_supported);
+  }
+  std::memcpy(out.data(), &h, sizeof h);
+  return static_cast<std::uint64_t>(ptr - base);
+}
+
+// Imports, by handle: a process may open a handle once, and several
+// connections (and regions) may use it.
+struct import_entry {
+  std::byte* base = nullptr;
+  std::size_t size = 0;
+  std::size_t refs = 0;
+};
+std::mutex imports_mutex;
+std::map<lp::gpu_handle, import_entry>& imports() {
+  static auto* m = new std::map<lp::gpu_handle, import_entry>;  // never destroyed: static dtors
+  return *m;
+}
+
+result<lp::device_hooks::imported> import_handle(const lp::gpu_handle& h) noexcept {
+  try {
+    std::lock_guard lock(imports_mutex);
+    auto& m = imports();
+    if (auto it = m.find(h); it != m.end()) {
+      ++it->second.refs;
+      return lp::device_hooks::imported{it->second.base, it->second.size};
+    }
+    cudaIpcMemHandle_t ch{};
+    std::memcpy(&ch, h.data(), sizeof ch);
+    void* p = nullptr;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, ch, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return make_error_code(e);
+    }
+    // What is mapped from p on: the bounds the peer's answer is checked against.
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    const auto at = reinterpret_cast<CUdeviceptr>(p);
+    auto& d = detail::driver();
+    if (!d.mem_get_address_range || d.mem_get_address_range(&base, &size, at) != CUDA_SUCCESS || at < base ||
+        at - base >= size) {
+      (void)cudaIpcCloseMemHandle(p);
+      return make_error_code(shuttle::errc::not_supported);
+    }
+    size -= at - base;
+    m.emplace(h, import_entry{static_cast<std::byte*>(p), size, 1});
+    return lp::device_hooks::imported{static_cast<std::byte*>(p), size};
+  } catch (const std::bad_alloc&) {
+    return std::make_error_code(std::errc::not_enough_memory);
+  }
+}
+
+// cuMemCreate memory: exported as a POSIX fd, mapped here at an address of
+// our own (each import its own mapping: fds have no identity to share by).
+result<std::uint64_t> export_fd(const void* p, std::size_t len, int* fd, std::uint64_t* size) noexcept {
+  auto& d = detail::driver();
+  if (!d.mem_get_address_range || !d.mem_retain_allocation_handle || !d.mem_export_to_shareable_handle ||
+      !d.mem_release)
+    return make_error_code(shuttle::errc::not_supported);
+  CUdeviceptr base = 0;
+  size_t range = 0;
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  if (d.mem_get_address_range(&base, &range, ptr) != CUDA_SUCCESS || ptr - base > range || len > range - (ptr - base))
+    return make_error_code(shuttle::errc::not_supported);
+  CUmemGenericAllocationHandle h{};
+  if (d.mem_retain_allocation_handle(&h, reinterpret_cast<void*>(base)) != CUDA_SUCCESS)
+    return make_error_code(shuttle::errc::not_supported);
+  int out = -1;
+  CUresult e = d.mem_export_to_shareable_handle(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  (void)d.mem_release(h);  // the retained reference; the mapping keeps its own
+  if (e != CUDA_SUCCESS || out < 0) return make_error_code(shuttle::errc::not_supported);
+  *fd = out;
+  *size = range;
+  return static_cast<std::uint64_t>(ptr - base);
+}
+
+std::map<std::byte*, std::size_t>& fd_imports() {  // base -> size (under imports_mutex)
+  static auto* m = new std::map<std::byte*, std::size_t>;
+  return *m;
+}
+
+result<lp::device_hooks::imported> import_fd(int fd, std::uint64_t size) noexcept {
+  auto& d = detail::driver();
+  if (!d.mem_import_from_shareable_handle || !d.mem_address_reserve || !d.mem_map || !d.mem_set_access ||
+      !d.mem_unmap || !d.mem_address_free || !d.mem_release || size == 0)
+    return make_error_code(shuttle::errc::not_supported);
+  CUmemGenericAllocationHandle h{};
+  if (d.mem_import_from_shareable_handle(&h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != CUDA_SUCCESS)
+    return make_error_code(shuttle::errc::remote_access_error);
+  CUdeviceptr va = 0;
+  int dev = 0;
+  (void)cudaGetDevice(&dev);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  bool reserved = false, mapped = false;
+  CUresult e = d.mem_address_reserve(&va, size, 0, 0, 0);
+  if (e == CUDA_SUCCESS) {
+    reserved = true;
+    e = d.mem_map(va, size, 0, h, 0);  // a size other than the allocation's fails here
+  }
+  if (e == CUDA_SUCCESS) {
+    mapped = true;
+    e = d.mem_set_access(va, size, &access, 1);
+  }
+  (void)d.mem_release(h);  // the mapping holds the allocation
+  if (e != CUDA_SUCCESS) {
+    if (mapped) (void)d.mem_unmap(va, size);
+    if (reserved) (void)d.mem_address_free(va, size);
+    return make_error_code(shuttle::errc::remote_access_error);
+  }
+  auto* base = reinterpret_cast<std::byte*>(va);
+  try {
+    std::lock_guard lock(imports_mutex);
+    fd_imports()[base] = size;
+  } catch (const std::bad_alloc&) {
+    (void)d.mem_unmap(va, size);
+    (void)d.mem_address_free(va, size);
+    return std::make_error_code(std::errc::not_enough_memory);
+  }
+  return lp::device_hooks::imported{base, size};
+}
+
+void release_import(std::byte* base) noexcept {
+  std::lock_guard lock(imports_mutex);
+  auto& m = imports();
+  for (auto it = m.begin(); it != m.end(); ++it) {
+    if (it->second.base != base) continue;
+    if (--it->second.refs == 0) {
+      (void)cudaIpcCloseMemHandle(base);
+      m.erase(it);
+    }
+    return;
+  }
+  if (auto it = fd_imports().find(base); it != fd_imports().end()) {
+    auto& d = detail::driver();
+    (void)d.mem_unmap(reinterpret_cast<CUdeviceptr>(base), it->second);
+    (void)d.mem_address_free(reinterpret_cast<CUdeviceptr>(base), it->second);
+    fd_imports().erase(it);
+  }
+}
+
+void* open_queue() noexcept {
+  cudaStream_t s = nullptr;
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return s;
+}
+void close_queue(void* q) noexcept {
+  if (q) (void)cudaStreamDestroy(static_cast<cudaStream_t>(q));
+}
+
+// An event awaited without the awaiter's stop token: the copy goes on
+// touching the operation's buffers, so the operation ends when it does.
+class uncancelled_wait : public event_awaiter {
+ public:
+  using event_awaiter::event_awaiter;
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    return detail::park(node_, h, std::stop_token{});
+  }
+};
+
+task<result<void>> await_copy(cudaEvent_t ev) {
+  auto r = co_await uncancelled_wait(ev);
+  detail::return_pooled_event(ev);
+  co_return r;
+}
+task<result<void>> failed(std::error_code ec) { co_return ec; }
+
+task<result<void>> copy(void* q, void* dst, const void* src, std::size_t n) {
+  auto s = static_cast<cudaStream_t>(q);
+  cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return failed(make_error_code(e));
+  }
+  cudaEvent_t ev = nullptr;
+  try {
+    ev = detail::pooled_event();
+  } catch (const std::system_error& x) {
+    return failed(x.code());
+  }
+  if ((e = cudaEventRecord(ev, s)) != cudaSuccess) {
+    detail::return_pooled_event(ev);
+    return failed(make_error_code(e));
+  }
+  return await_copy(ev);
+}
+
+const lp::device_hooks local_hooks{.is_device = &is_device,
+                                   .export_handle = &export_handle,
+                                   .import_handle = &import_handle,
+                                   .export_fd = &export_fd,
+                                   .import_fd = &import_fd,
+                                   .release_import = &release_import,
+                                   .open_queue = &open_queue,
+                                   .close_queue = &close_queue,
+                                   .copy = &copy};
+struct hooks_installer {
+  hooks_installer() noexcept { lp::set_device_hooks(&local_hooks); }
+} install_local_hooks;
+
+}  // namespace
+
+// Referenced from cuda.cpp, so that a static link that uses the CUDA layer
+// keeps this file (and its installer).
+namespace detail {
+extern const int local_hooks_anchor;
+const int local_hooks_anchor = 1;
+}  // namespace detail
+}  // namespace shuttle::cuda
