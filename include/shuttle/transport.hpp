@@ -9,6 +9,10 @@
 //    over a Unix-domain socket, one-sided operations on memory from
 //    shuttle/local.hpp as memcpy / std::atomic_ref on the peer's mapping.
 //
+// transport_kind::automatic (the default) combines them: local for a peer
+// on this host, verbs (with a device) or tcp for the others, with one
+// registration and one rkey for both (lib/auto_provider/README.md).
+//
 // The model is the verbs one. A domain (a protection domain) owns memory
 // registrations; a connection (an RC queue pair) offers two-sided send/recv
 // and one-sided write, write_with_imm, read and 64-bit atomics on memory the
