@@ -65,6 +65,7 @@ inline const char* name_of(shuttle::transport_kind k) noexcept {
   switch (k) {
     case shuttle::transport_kind::verbs: return "rdma";
     case shuttle::transport_kind::tcp: return "tcp-provider";
+    case shuttle::transport_kind::local: return "local";
     default: return "auto";
   }
 }

@@ -2,7 +2,7 @@
 //
 //   shuttle-echo-client --host H --port P [--connections C] [--size S]
 //                       [--duration T] [--threads N] [--connect-timeout T] [--json]
-//                       [--transport tcp|rdma|tcp-provider] [--recv-ring N]
+//                       [--transport tcp|rdma|tcp-provider|auto] [--recv-ring N]
 //
 // Opens C connections (spread round-robin over N threads, each with its own
 // io_context), then for T seconds every connection loops: send S bytes (a
@@ -526,10 +526,12 @@ options parse_options(int argc, char** argv) {
       ->type_name("T")
       ->check(cli::seconds());
   app.add_flag("--json", o.json, "also print the results as one JSON line (the last line)");
-  cli::add_transport(app, o.transport, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider},
-                     "tcp (sockets, default), rdma (verbs provider, rdma_cm) or tcp-provider (RDMA semantics over "
-                     "TCP): the last two send each request as one message, at most the connection's "
-                     "max_message_size()");
+  cli::add_transport(app, o.transport,
+                     {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider,
+                      cli::transport::automatic},
+                     "tcp (sockets, default), rdma (verbs provider, rdma_cm), tcp-provider (RDMA semantics over "
+                     "TCP) or auto (the local provider to a server on this host): the last three send each "
+                     "request as one message, at most the connection's max_message_size()");
   app.add_option("--recv-ring", o.recv_ring,
                  "tcp: receive replies through a ring of N kernel-provided buffers per thread (multishot recv; N a "
                  "power of two; default 0: a recv per reply)")

@@ -1,7 +1,7 @@
 // shuttle-echo-server: an echo server on shuttle, over TCP sockets or over
 // the transport API.
 //
-//   shuttle-echo-server --port P [--threads N] [--transport tcp|rdma|tcp-provider]
+//   shuttle-echo-server --port P [--threads N] [--transport tcp|rdma|tcp-provider|auto]
 //                       [--bind ADDR] [--max-message BYTES]
 //                       [--max-handshakes N] [--handshake-timeout MS]
 //                       [--max-connections N] [--idle-timeout MS] [--accept-plain]
@@ -15,7 +15,9 @@
 //
 // --transport rdma | tcp-provider: the transport API (transport.hpp) with the
 // verbs provider (rdma_cm; ADDR must then be an address of an RDMA interface
-// or 0.0.0.0) or shuttle's tcp provider (RDMA semantics over TCP). One
+// or 0.0.0.0) or shuttle's tcp provider (RDMA semantics over TCP);
+// --transport auto: transport_kind::automatic (clients on this host through
+// the local provider, the others through rdma or tcp-provider). One
 // thread: a domain, its listener and its connections belong to one loop.
 // Every connection is one coroutine that echoes each received message with a
 // send. Messages up to --max-message bytes (default 65536: the size of the
@@ -361,9 +363,12 @@ options parse_options(int argc, char** argv) {
   app.add_option("--threads", o.threads, "event-loop threads, one listener each (default 1; tcp only)")
       ->type_name("N")
       ->transform(cli::count(1, 1024));
-  cli::add_transport(app, o.transport, {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider},
-                     "tcp (sockets, default), rdma (verbs provider, rdma_cm) or tcp-provider (RDMA semantics over "
-                     "TCP): the last two use the transport API");
+  cli::add_transport(app, o.transport,
+                     {cli::transport::socket, cli::transport::rdma, cli::transport::tcp_provider,
+                      cli::transport::automatic},
+                     "tcp (sockets, default), rdma (verbs provider, rdma_cm), tcp-provider (RDMA semantics over "
+                     "TCP) or auto (the local provider for clients on this host, rdma or tcp-provider for the "
+                     "others): the last three use the transport API");
   app.add_option("--bind", o.bind, "numeric address to bind (default 0.0.0.0; '::' for IPv6)")->type_name("ADDR");
   auto* max_message = app.add_option("--max-message", o.max_message,
                                      "rdma, tcp-provider: largest message accepted (default 65536; suffixes k, m, g)")

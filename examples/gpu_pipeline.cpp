@@ -2,9 +2,10 @@
 // wire; the receiver is notified per chunk (write_with_imm), copies it in on
 // its stream and a consumer kernel checksums it; checksums are verified end
 // to end. Over the tcp provider (staged through pinned bounce buffers) on
-// loopback, sender and receiver on one loop.
+// loopback, sender and receiver on one loop; --transport local or auto (the
+// local provider: both ends are on this host) take the local provider.
 //
-//   shuttle-gpu-pipeline [MiB=256] [chunk KiB=1024] [rounds=16]   (--help: more)
+//   shuttle-gpu-pipeline [MiB=256] [chunk KiB=1024] [rounds=16] [--transport tcp|local|auto]   (--help: more)
 #include <shuttle/cuda/cuda.hpp>
 #include <shuttle/cuda/kernels.hpp>
 #include <shuttle/cuda/staged.hpp>
@@ -24,9 +25,20 @@ using namespace shuttle;
 int main(int argc, char** argv) {
   std::size_t mib = 256, chunk_kib = 1024;
   unsigned rounds = 16;
-  CLI::App app{"A staged GPU pipeline over the tcp provider on loopback, checksums verified per chunk.",
+  transport_kind kind = transport_kind::tcp;
+  CLI::App app{"A staged GPU pipeline on loopback (tcp provider unless --transport), checksums verified per chunk.",
                "shuttle-gpu-pipeline"};
-  cli::setup(app, "usage: shuttle-gpu-pipeline [MiB] [CHUNK_KiB] [ROUNDS]\n");
+  cli::setup(app, "usage: shuttle-gpu-pipeline [MiB] [CHUNK_KiB] [ROUNDS] [--transport tcp|local|auto]\n");
+  app.add_option_function<std::string>(
+         "--transport", [&](const std::string& v) { kind = *parse_transport_kind(v); },
+         "tcp (default), local or auto (automatic: the local provider, both ends being on this host)")
+      ->type_name("T")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            auto k = parse_transport_kind(v);
+            return k && *k != transport_kind::verbs ? "" : "bad value '" + v + "' (tcp, local, auto)";
+          },
+          "", "transport"));
   app.add_option("MiB", mib, "MiB to transfer (default 256)")->type_name("")->transform(cli::count(1, 1u << 16));
   app.add_option("CHUNK_KiB", chunk_kib, "KiB per chunk (default 1024)")->type_name("")->transform(cli::count(1, 1u << 20));
   app.add_option("ROUNDS", rounds, "compute rounds of the producer and consumer kernels, their load (default 16)")->type_name("")->transform(cli::count(1, 1u << 20));
@@ -40,7 +52,7 @@ int main(int argc, char** argv) {
   const std::size_t chunks = (len + chunk - 1) / chunk;
   io_context ctx;
   domain_options dopt;
-  dopt.kind = transport_kind::tcp;
+  dopt.kind = kind;
   auto sd = domain::open(dopt).value();
   auto cd = domain::open(dopt).value();
   auto l = sd.listen(endpoint::parse("127.0.0.1:0").value()).value();
@@ -87,9 +99,10 @@ int main(int argc, char** argv) {
   std::size_t bad = 0;
   for (std::size_t i = 0; i < chunks; ++i)
     if (ss[i] != rs[i]) ++bad;
-  std::printf("gpu_pipeline: %s\n  %zu MiB in %zu chunks of %zu KiB, path %s (%s), %zu notifications, %.1f ms, %.2f GB/s\n"
+  std::printf("gpu_pipeline: %s, over %s\n  %zu MiB in %zu chunks of %zu KiB, path %s (%s), %zu notifications, %.1f ms, "
+              "%.2f GB/s\n"
               "  checksums: %zu/%zu chunks match%s\n",
-              cuda::describe_device(0).c_str(), len >> 20, chunks, chunk >> 10, cuda::to_string(snd.path()),
+              cuda::describe_device(0).c_str(), to_string(tx.kind()), len >> 20, chunks, chunk >> 10, cuda::to_string(snd.path()),
               reg.register_memory(src.data(), len, 0)->reason.c_str(), notified, secs * 1e3,
               double(len) / secs / 1e9, chunks - bad, chunks, bad ? "  MISMATCH" : "");
   ctx.run([&]() -> task<void> {

@@ -1,7 +1,8 @@
 // shuttle-perf: perftest-style RDMA micro-benchmarks over the transport API,
-// on either provider (tcp or verbs).
+// on any provider (tcp, verbs, local, or automatic: local to a server on this
+// host).
 //
-//   server: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]
+//   server: shuttle-perf [--transport tcp|verbs|local|auto] [--port P] [--bind ADDR] [--loop]
 //   client: shuttle-perf HOST [--transport ...] [--port P]
 //             --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic
 //             [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--slots N] [--warmup N] [--json]
@@ -227,8 +228,8 @@ struct options {
 };
 
 const char* const kSynopsis =
-    "usage: shuttle-perf [--transport tcp|verbs] [--port P] [--bind ADDR] [--loop]        (server)\n"
-    "       shuttle-perf HOST [--transport tcp|verbs] [--port P]\n"
+    "usage: shuttle-perf [--transport tcp|verbs|local|auto] [--port P] [--bind ADDR] [--loop]        (server)\n"
+    "       shuttle-perf HOST [--transport tcp|verbs|local|auto] [--port P]\n"
     "                    --test write_bw|read_bw|send_bw|write_lat|send_lat|read_lat|atomic\n"
     "                    [--size S | --sweep] [--iters N] [--depth D] [--batch B] [--slots N] [--warmup N] [--json]\n"
     "                                                                                      (client)\n"
@@ -243,9 +244,10 @@ options parse_args(int argc, char** argv) {
   auto* host_opt = app.add_option("HOST", host, "client: the server's address (none: run the server)")->type_name("");
   app.add_option_function<std::string>(
          "--transport", [&](const std::string& v) { o.kind = *parse_transport_kind(v); },
-         "tcp, verbs or auto (default auto: verbs if an RDMA device is active)")
+         "tcp, verbs, local or auto (default auto: the local provider to a server on this host, else verbs if an "
+         "RDMA device is active, else tcp)")
       ->type_name("T")
-      ->check(CLI::Validator([](std::string& v) -> std::string { return parse_transport_kind(v) ? "" : "bad value '" + v + "' (tcp, verbs, auto)"; }, "", "transport"));
+      ->check(CLI::Validator([](std::string& v) -> std::string { return parse_transport_kind(v) ? "" : "bad value '" + v + "' (tcp, verbs, local, auto)"; }, "", "transport"));
   app.add_option("-p,--port", o.port, "port (default 18515; server: 0 picks a free one)")
       ->type_name("P")
       ->transform(cli::count(0, 65535));
@@ -812,7 +814,7 @@ task<int> client_main(const options& o) {
   if (s.server.length < region) fail("protocol error: the server's region is too small");
 
   const bool imm = t.id == test_id::write_lat &&
-                   (o.lat_method == "imm" || (o.lat_method == "auto" && d.kind() != transport_kind::verbs));
+                   (o.lat_method == "imm" || (o.lat_method == "auto" && s.c.kind() != transport_kind::verbs));
   print_header(o, d.describe().c_str(), depth, batch, imm);
   for (std::uint64_t size : sizes) {
     ctrl p{};

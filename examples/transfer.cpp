@@ -239,6 +239,9 @@ struct shared {
 
   // Receiver (thread 0).
   std::string setup_step;  // what failed in listen()
+  // The provider the sender's connection took (automatic: local for a
+  // receiver on this host); written by the sender before it reports its end.
+  shuttle::transport_kind path = shuttle::transport_kind::automatic;
   std::optional<shuttle::domain> rx_domain;
   std::optional<aligned_buffer> ring;          // registered before listen(): its descriptor is the listener's payload
   std::optional<shuttle::memory_region> ring_mr;
@@ -486,6 +489,7 @@ task<void> send(shared& s, shuttle::endpoint ep, shuttle::transport_kind kind) {
                      ? " (rdma needs the address of an RDMA interface: --addr, or --transport tcp-provider)"
                      : ""));
     } else {
+      s.path = c->kind();
       co_await send_all(s, *c, *dom);
       (void)co_await c->close();
     }
@@ -549,7 +553,9 @@ int run(const options& o) {
     });
   };
   rt.spawn(0, fulfil(receive(s), std::move(rx_done), tell_main));
-  rt.spawn(1, fulfil(send(s, peer, kind), std::move(tx_done), tell_main));
+  // The sender asks for what the receiver asked for (automatic on both: a
+  // receiver on this host is reached through the local provider).
+  rt.spawn(1, fulfil(send(s, peer, cli::kind_of(o.transport)), std::move(tx_done), tell_main));
   const int sig = main_ctx.run(signal_or_finished(signals, finished));
   if (sig > 0) {
     std::fprintf(stderr, "%s: %s, stopping\n", kProg, strsignal(sig));
@@ -575,7 +581,8 @@ int run(const options& o) {
   // stopped early; a clean stop exits 0, as the servers do.
   const bool intact = !crashed && s.errors.empty() && s.mismatches == 0;
   const bool ok = intact && (sig > 0 || (s.verified == o.chunks && s.end_ok));
-  std::printf("%s: %s over %s, %s\n", kProg, cli::name_of(kind), described.c_str(), peer.to_string().c_str());
+  std::printf("%s: %s over %s, %s\n", kProg, cli::name_of(s.path != shuttle::transport_kind::automatic ? s.path : kind),
+              described.c_str(), peer.to_string().c_str());
   std::printf("  chunks:   %llu of %llu x %llu bytes through %llu slots\n",
               static_cast<unsigned long long>(s.received), static_cast<unsigned long long>(o.chunks),
               static_cast<unsigned long long>(o.chunk_size), static_cast<unsigned long long>(o.slots));

@@ -9,6 +9,10 @@
 //    over a Unix-domain socket, one-sided operations on memory from
 //    shuttle/local.hpp as memcpy / std::atomic_ref on the peer's mapping.
 //
+// transport_kind::automatic (the default) combines them: local for a peer
+// on this host, verbs (with a device) or tcp for the others, with one
+// registration and one rkey for both (lib/auto_provider/README.md).
+//
 // The model is the verbs one. A domain (a protection domain) owns memory
 // registrations; a connection (an RC queue pair) offers two-sided send/recv
 // and one-sided write, write_with_imm, read and 64-bit atomics on memory the
@@ -684,6 +688,10 @@ class listener {
 
 struct domain_options {
   transport_kind kind = transport_kind::automatic;  // SHUTTLE_TRANSPORT overrides automatic
+  // automatic only: peers on this host through the local provider (see
+  // domain::open). false, or SHUTTLE_AUTO_LOCAL=0 in the environment: every
+  // peer through verbs or tcp.
+  bool local_peers = true;
   std::string device;                               // verbs: "rxe0"; empty: the first active one
   int gid_index = -1;                               // verbs: -1 finds the RoCE v2 IPv4-mapped GID
 };
@@ -691,11 +699,21 @@ struct domain_options {
 // A protection domain of one provider, owned by one io_context's thread.
 class domain {
  public:
-  // automatic: verbs when an active RDMA device exists, else tcp. On the
+  // automatic: verbs when an active RDMA device exists, else tcp, for
+  // remote peers, and the local provider for peers on this host
+  // (lib/auto_provider/README.md): connect() to an address of this host
+  // (loopback, or one of its interfaces) takes the local provider when the
+  // peer's listener is an automatic one, else (no such listener, or its
+  // local handshake fails within half of connect_timeout) the remote
+  // provider; listen() on an IP endpoint listens on both. One registration
+  // serves both: a region's rkey is the same for every peer.
+  // connection::kind() says which provider a connection took. On the
   // calling thread's io_context: errc::no_io_context on a thread without
   // one (as listen()).
   static result<domain> open(domain_options opts = {});
 
+  // The provider for remote peers (automatic: verbs or tcp; connections to
+  // peers on this host may be local: connection::kind()).
   transport_kind kind() const noexcept;
   std::string describe() const;
 

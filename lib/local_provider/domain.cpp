@@ -61,14 +61,22 @@ class local_domain final : public domain_impl {
   }
 
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned flags) override {
+    return register_with(mem, flags, 0);
+  }
+
+  // `forced`: the rkey to use (register_local_with_key), or 0 for a new one.
+  result<memory_region> register_with(std::span<std::byte> mem, unsigned flags, std::uint32_t forced) {
     if (auto c = check_registration(mem, flags); !c) return c.error();
     domain_state::cache_key key{reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), flags};
     if (auto it = st_->cache.find(key); it != st_->cache.end()) {
-      if (auto r = it->second.lock()) return memory_region(std::move(r));
+      if (auto r = it->second.lock(); r && (forced == 0 || r->rkey == forced)) return memory_region(std::move(r));
     }
+    if (forced != 0 &&
+        (st_->engine->table.contains(forced) || st_->engine->grants.contains(forced) || st_->shared.count(forced)))
+      return std::make_error_code(std::errc::address_in_use);
     if (const device_hooks* h = installed_device_hooks(); h && h->is_device(mem.data(), mem.size()))
-      return register_gpu(*h, mem, flags, key);
-    auto rkey = fresh_key();
+      return register_gpu(*h, mem, flags, key, forced);
+    auto rkey = forced != 0 ? result<std::uint32_t>(forced) : fresh_key();
     if (!rkey) return rkey.error();
     auto e = std::make_shared<tp::tcp_region>();
     e->dom = st_->engine;
@@ -102,7 +110,7 @@ class local_domain final : public domain_impl {
   // exported, such as cuMemCreate's, or no word free); never handed to the
   // engine, whose reader would touch it with the CPU.
   result<memory_region> register_gpu(const device_hooks& h, std::span<std::byte> mem, unsigned flags,
-                                     const domain_state::cache_key& key) {
+                                     const domain_state::cache_key& key, std::uint32_t forced) {
     auto r = std::make_shared<local_region>();
     r->dom = st_;  // (its destructor needs it, should we give up below)
     r->addr = mem.data();
@@ -111,7 +119,7 @@ class local_domain final : public domain_impl {
     auto off = h.export_handle(mem.data(), mem.size(), r->handle);
     if (!off && h.export_fd) off = h.export_fd(mem.data(), mem.size(), &r->gpu_fd, &r->gpu_size);  // cuMemCreate's
     if (!off) return off.error();
-    auto rkey = fresh_key();
+    auto rkey = forced != 0 ? result<std::uint32_t>(forced) : fresh_key();
     if (!rkey) return rkey.error();
     auto slot = st_->keys->take();
     if (!slot) return make_error_code(errc::not_supported);
@@ -135,10 +143,13 @@ class local_domain final : public domain_impl {
   }
 
   task<result<connection>> connect(endpoint remote, connection_options opts) override {
-    if (auto c = check_options(opts); !c) return fail(c.error());
     auto name = socket_name(remote);
     if (!name) return fail(name.error());
-    return connect_impl(st_, remote, *name, opts);
+    return connect_named(remote, *name, std::move(opts));
+  }
+  task<result<connection>> connect_named(endpoint named, endpoint socket, connection_options opts) {
+    if (auto c = check_options(opts); !c) return fail(c.error());
+    return connect_impl(st_, named, socket, opts);
   }
 
   result<listener> listen(endpoint local, connection_options opts, listener_options limits) override {
@@ -167,6 +178,20 @@ class local_domain final : public domain_impl {
 
 }  // namespace
 
+// Entry points for transport_kind::automatic (lib/auto_provider).
+result<memory_region> register_with_key(domain_impl& d, std::span<std::byte> mem, unsigned flags,
+                                        std::uint32_t rkey) {
+  auto* l = dynamic_cast<local_domain*>(&d);
+  if (!l || rkey == 0) return std::make_error_code(std::errc::invalid_argument);
+  return l->register_with(mem, flags, rkey);
+}
+
+task<result<connection>> connect_as(domain_impl& d, endpoint named, endpoint socket, connection_options opts) {
+  auto* l = dynamic_cast<local_domain*>(&d);
+  if (!l) co_return std::make_error_code(std::errc::invalid_argument);
+  co_return co_await l->connect_named(named, socket, std::move(opts));
+}
+
 }  // namespace shuttle::detail::local_provider
 
 namespace shuttle::detail {
@@ -177,6 +202,15 @@ result<std::shared_ptr<domain_impl>> make_local_domain(const domain_options&) {
   if (!keys) return keys.error();
   st->keys = std::move(*keys);
   return std::shared_ptr<domain_impl>(std::make_shared<local_provider::local_domain>(std::move(st)));
+}
+
+result<memory_region> register_local_with_key(domain_impl& d, std::span<std::byte> mem, unsigned access_flags,
+                                              std::uint32_t rkey) {
+  return local_provider::register_with_key(d, mem, access_flags, rkey);
+}
+
+task<result<connection>> connect_local_as(domain_impl& d, endpoint named, endpoint socket, connection_options opts) {
+  return local_provider::connect_as(d, named, socket, std::move(opts));
 }
 
 }  // namespace shuttle::detail

@@ -13,7 +13,13 @@ namespace shuttle::detail {
 struct impl_access {
   static const std::shared_ptr<region_impl>& of(const memory_region& r) noexcept { return r.impl_; }
   static grant_impl* of(const memory_grant& g) noexcept { return g.impl_.get(); }
-  static domain_impl* of(const domain& d) noexcept { return d.impl_.get(); }
+  // The provider domain behind `d`: itself, or for an automatic domain
+  // (lib/auto_provider) the one it uses for remote peers, so that a
+  // provider's own API (shuttle/verbs) finds its domain.
+  static domain_impl* of(const domain& d) noexcept;
+  // The registration a connection of provider `k` takes `r` as: `r`
+  // itself, or an automatic domain's registration in that provider.
+  static memory_region for_kind(const memory_region& r, transport_kind k);
 };
 
 class region_impl {
@@ -24,6 +30,10 @@ class region_impl {
   unsigned access = 0;
   std::uint32_t lkey = 0;
   std::uint32_t rkey = 0;
+  // An automatic domain's registration: its registration in provider `k`
+  // (the one a connection of that provider checks grants against); others:
+  // null, the region is its own.
+  virtual const memory_region* child(transport_kind) const noexcept { return nullptr; }
 };
 
 // A provider's memory_grant. Its destructor revokes it without waiting.
@@ -146,6 +156,8 @@ class listener_impl {
 class domain_impl {
  public:
   virtual ~domain_impl() = default;
+  // impl_access::of(domain): the provider domain behind this one.
+  virtual domain_impl* provider() noexcept { return this; }
   virtual transport_kind kind() const noexcept = 0;
   virtual std::string describe() const = 0;
   virtual result<memory_region> register_memory(std::span<std::byte> mem, unsigned access_flags) = 0;
@@ -160,5 +172,19 @@ result<std::shared_ptr<domain_impl>> make_tcp_domain(const domain_options& opts)
 result<std::shared_ptr<domain_impl>> make_verbs_domain(const domain_options& opts);
 // lib/local_provider: peers on the same host.
 result<std::shared_ptr<domain_impl>> make_local_domain(const domain_options& opts);
+// For lib/auto_provider: a registration of `mem` in local domain `d` whose
+// rkey is `rkey` (the same key as the registration in the remote provider,
+// so that one remote_buffer serves every peer): std::errc::address_in_use
+// if that key is taken there; std::errc::invalid_argument if `d` is not a
+// local domain or `rkey` is 0.
+result<memory_region> register_local_with_key(domain_impl& d, std::span<std::byte> mem, unsigned access_flags,
+                                              std::uint32_t rkey);
+// A local connection to the Unix socket `socket`, reported as `named`
+// (connection::remote_endpoint).
+task<result<connection>> connect_local_as(domain_impl& d, endpoint named, endpoint socket, connection_options opts);
+// transport_kind::automatic (lib/auto_provider): local for peers on this
+// host, `remote` (verbs or tcp) for the others.
+result<std::shared_ptr<domain_impl>> make_auto_domain(std::shared_ptr<domain_impl> remote,
+                                                      std::shared_ptr<domain_impl> local);
 
 }  // namespace shuttle::detail

@@ -74,6 +74,14 @@ remote_buffer memory_region::remote(std::size_t offset, std::size_t len) const n
   return {reinterpret_cast<std::uint64_t>(impl_->addr) + offset, impl_->rkey, len};
 }
 
+namespace detail {
+domain_impl* impl_access::of(const domain& d) noexcept { return d.impl_ ? d.impl_->provider() : nullptr; }
+memory_region impl_access::for_kind(const memory_region& r, transport_kind k) {
+  if (const memory_region* c = r.impl_ ? r.impl_->child(k) : nullptr) return *c;
+  return r;
+}
+}  // namespace detail
+
 // ---------------------------------------------------------------- memory_grant
 
 memory_grant::memory_grant() noexcept = default;
@@ -142,7 +150,7 @@ result<prepared_operation> connection::prepare(const operation& op) {
 task<result<memory_grant>> connection::grant(const memory_region& r, std::size_t offset, std::size_t len,
                                              unsigned rights) {
   if (!impl_) return not_connected<memory_grant>();
-  return impl_->grant(r, offset, len, rights);
+  return impl_->grant(detail::impl_access::for_kind(r, impl_->kind()), offset, len, rights);
 }
 task<result<void>> connection::revoke(memory_grant& g) {
   if (!detail::impl_access::of(g) || detail::impl_access::of(g)->owner != impl_.get() || !impl_) return invalid_grant();
@@ -200,15 +208,28 @@ result<domain> domain::open(domain_options opts) {
     if (!d) return d.error();
     return domain(std::move(*d));
   }
-  if (opts.kind == transport_kind::local) {  // never chosen automatically (yet)
+  if (opts.kind == transport_kind::local) {
     auto d = detail::make_local_domain(opts);
     if (!d) return d.error();
     return domain(std::move(*d));
   }
+  std::shared_ptr<detail::domain_impl> remote;
   if (opts.kind == transport_kind::automatic) {
-    if (auto d = detail::make_verbs_domain(opts)) return domain(std::move(*d));
+    if (auto d = detail::make_verbs_domain(opts)) remote = std::move(*d);
   }
-  auto d = detail::make_tcp_domain(opts);
+  if (!remote) {
+    auto d = detail::make_tcp_domain(opts);
+    if (!d) return d.error();
+    remote = std::move(*d);
+  }
+  if (opts.kind != transport_kind::automatic || !opts.local_peers) return domain(std::move(remote));
+  if (const char* env = std::getenv("SHUTTLE_AUTO_LOCAL"); env && std::strcmp(env, "0") == 0)
+    return domain(std::move(remote));
+  // Automatic: the local provider too, for peers on this host
+  // (lib/auto_provider/README.md). Without it (no memfd), the remote one alone.
+  auto local = detail::make_local_domain(opts);
+  if (!local) return domain(std::move(remote));
+  auto d = detail::make_auto_domain(std::move(remote), std::move(*local));
   if (!d) return d.error();
   return domain(std::move(*d));
 }
