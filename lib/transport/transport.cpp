@@ -149,8 +149,11 @@ result<prepared_operation> connection::prepare(const operation& op) {
 }
 task<result<memory_grant>> connection::grant(const memory_region& r, std::size_t offset, std::size_t len,
                                              unsigned rights) {
-  if (!impl_) return not_connected<memory_grant>();
-  return impl_->grant(detail::impl_access::for_kind(r, impl_->kind()), offset, len, rights);
+  if (!impl_) co_return co_await not_connected<memory_grant>();
+  // The provider's task is lazy: the region it is given must outlive it,
+  // so this frame holds the one for_kind returns.
+  const memory_region mine = detail::impl_access::for_kind(r, impl_->kind());
+  co_return co_await impl_->grant(mine, offset, len, rights);
 }
 task<result<void>> connection::revoke(memory_grant& g) {
   if (!detail::impl_access::of(g) || detail::impl_access::of(g)->owner != impl_.get() || !impl_) return invalid_grant();
