@@ -94,6 +94,9 @@ struct conn_ext {
   std::uint64_t next_ticket = 0;
   std::size_t gpu_inflight = 0;  // copies enqueued, not yet complete
   bool service_over = false;     // the service loop ended: no more answers
+  // The local_connection is gone (dropped with operations in the lane):
+  // a lane coroutine resumed after that must not touch it, and ends.
+  bool dropped = false;
   event changed;                 // pulsed when any of the above moves, or an answer comes
   void pulse() noexcept {
     changed.set();

@@ -8,7 +8,10 @@
 
 namespace shuttle::detail::local_provider {
 
-local_connection::~local_connection() = default;
+local_connection::~local_connection() {
+  x_.dropped = true;
+  x_.pulse();  // waiters in the lane wake (posted), see `dropped` and end
+}
 
 task<result<memory_grant>> local_connection::grant(const memory_region& r, std::size_t offset, std::size_t len,
                                                    unsigned rights) {

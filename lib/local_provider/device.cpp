@@ -98,6 +98,7 @@ task<result<std::uint64_t>> local_connection::at_turn(lane_op op, lane_place& pl
   using kind = lane_op::kind;
   const bool rw = op.k == kind::write || op.k == kind::read || op.k == kind::write_imm;
   for (;;) {
+    if (x.dropped) co_return make_error_code(errc::disconnected);  // `this` is gone
     if (x.lane.front() == place.ticket) {
       route rt;
       if (rw) rt = plan(op.remote, op.local, op.len, op.k == kind::read ? access::remote_read : access::remote_write);
@@ -197,6 +198,7 @@ task<result<void>> local_connection::gpu_copy(lane_op op, std::byte* at, std::sh
   --x.gpu_inflight;
   x.pulse();
   if (!r) co_return r.error();
+  if (x.dropped) co_return make_error_code(errc::disconnected);  // `this` is gone
   // A peer that died meanwhile: its socket says so (the engine's reader
   // fails the connection on the hang-up; a loop of copies that never lets
   // it run looks at the socket every few accesses).
@@ -212,6 +214,8 @@ task<result<void>> local_connection::gpu_copy(lane_op op, std::byte* at, std::sh
 // batch. Keys not answered yet are asked first (they may name GPU memory).
 task<result<void>> local_connection::batch(std::span<const operation> ops, std::size_t* failed) {
   auto keep = s_;
+  conn_ext& x = x_;  // not `this` after a suspension: the connection may be dropped meanwhile
+  const auto dropped = [&x] { return x.dropped; };
   const device_hooks* h = installed_device_hooks();
   const auto rkey_of = [](const operation& o) { return o.op == operation::type::send ? 0u : o.remote.rkey; };
   bool by_one = false, unknown = false;
@@ -220,15 +224,15 @@ task<result<void>> local_connection::batch(std::span<const operation> ops, std::
     for (const operation& o : ops) {
       if (!o.local.empty() && h->is_device(o.local.data(), o.local.size())) by_one = true;
       if (o.op == operation::type::send) continue;
-      auto it = x_.regions.find(rkey_of(o));
-      if (it != x_.regions.end())
+      auto it = x.regions.find(rkey_of(o));
+      if (it != x.regions.end())
         by_one = by_one || it->second.gpu;
-      else if (!x_.service_over)
+      else if (!x.service_over)
         unknown = true;
     }
   };
   if (h) survey();
-  if (!by_one && !unknown && !x_.ordered_busy()) {
+  if (!by_one && !unknown && !x.ordered_busy()) {
     // (Not a conditional expression around co_await: g++ 12 destroys its temporary twice.)
     if (failed) {
       auto t = inner_.post_batch_at(ops, *failed);
@@ -237,19 +241,20 @@ task<result<void>> local_connection::batch(std::span<const operation> ops, std::
     auto t = inner_.post_batch(ops);
     co_return co_await std::move(t);
   }
-  lane_place place{x_, x_.next_ticket++};
-  x_.lane.push_back(place.ticket);
+  lane_place place{x, x.next_ticket++};
+  x.lane.push_back(place.ticket);
   if (h && unknown && !by_one) {
-    while (x_.lane.front() != place.ticket)
-      if (auto w = co_await x_.changed.wait(); !w) co_return cancelled_in_lane(*s_, w.error());
+    while (x.lane.front() != place.ticket)
+      if (auto w = co_await x.changed.wait(); !w) co_return cancelled_in_lane(*keep, w.error());
     for (const operation& o : ops)
-      if (o.op != operation::type::send && !x_.regions.contains(rkey_of(o))) x_.ask(rkey_of(o));
+      if (o.op != operation::type::send && !x.regions.contains(rkey_of(o))) x.ask(rkey_of(o));
     for (;;) {  // until every key asked about is answered (or no answer can come)
       bool waiting = false;
-      for (const operation& o : ops) waiting = waiting || x_.asked.contains(rkey_of(o));
-      if (!waiting || x_.service_over) break;
-      if (auto w = co_await x_.changed.wait(); !w) co_return cancelled_in_lane(*s_, w.error());
+      for (const operation& o : ops) waiting = waiting || x.asked.contains(rkey_of(o));
+      if (!waiting || x.service_over) break;
+      if (auto w = co_await x.changed.wait(); !w) co_return cancelled_in_lane(*keep, w.error());
     }
+    if (dropped()) co_return make_error_code(errc::disconnected);
     survey();
   }
   if (by_one) {
@@ -265,6 +270,10 @@ task<result<void>> local_connection::batch(std::span<const operation> ops, std::
         if (failed) *failed = i;
         co_return make_error_code(errc::unregistered_device_memory);
       }
+      if (dropped()) {
+        if (failed) *failed = i;
+        co_return make_error_code(errc::disconnected);
+      }
       auto r = co_await at_turn(op, place, true);
       if (!r) {
         if (failed) *failed = i;
@@ -273,7 +282,7 @@ task<result<void>> local_connection::batch(std::span<const operation> ops, std::
     }
     co_return result<void>{};
   }
-  if (auto t = co_await turn(*s_, x_, place); !t) co_return t.error();
+  if (auto t = co_await turn(*keep, x_, place); !t) co_return t.error();
   place.leave();
   if (failed) {
     auto t = inner_.post_batch_at(ops, *failed);
@@ -292,7 +301,8 @@ task<result<void>> local_connection::close_in_order() {
   if (x_.ordered_busy()) {  // what was posted before close() finishes first
     lane_place place{x_, x_.next_ticket++};
     x_.lane.push_back(place.ticket);
-    (void)co_await turn(*s_, x_, place);  // cancelled: the connection failed, close() finishes it
+    (void)co_await turn(*keep, x_, place);  // cancelled: the connection failed, close() finishes it
+    if (ext_of(*keep).dropped) co_return make_error_code(errc::disconnected);  // `this` is gone
     place.leave();
   }
   auto t = inner_.close();
