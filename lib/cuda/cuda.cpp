@@ -93,6 +93,28 @@ const driver_api& driver() {
   });
   return api;
 }
+
+bool is_unmanaged_device_memory(const void* p) noexcept {
+  auto& d = driver();
+  if (!d.pointer_get_attribute) return false;  // no driver: no device memory
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  unsigned int type = 0;
+  if (d.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) != CUDA_SUCCESS) return false;
+  if (type != CU_MEMORYTYPE_DEVICE) return false;
+  unsigned int managed = 0;
+  return d.pointer_get_attribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr) != CUDA_SUCCESS || !managed;
+}
+
+bool allocation_of(const void* p, size_t len, allocation_range& out) noexcept {
+  auto& d = driver();
+  if (!d.mem_get_address_range) return false;
+  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+  if (d.mem_get_address_range(&out.base, &out.size, ptr) != CUDA_SUCCESS || ptr < out.base ||
+      ptr - out.base > out.size || len > out.size - (ptr - out.base))
+    return false;
+  out.offset = ptr - out.base;
+  return true;
+}
 }  // namespace detail
 
 // ------------------------------------------------------------------ memory

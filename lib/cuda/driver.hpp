@@ -33,4 +33,19 @@ struct driver_api {
 // Loaded once (thread-safe); entries the driver lacks stay null.
 const driver_api& driver();
 
+// Device memory the CPU must not touch: CU_MEMORYTYPE_DEVICE and not
+// managed (managed memory migrates, the CPU may read it). False without a
+// driver, and for host memory.
+bool is_unmanaged_device_memory(const void* p) noexcept;
+
+// The allocation holding [p, p + len): its base, its size and p's offset
+// in it. False where the driver lacks the call, p is not device memory or
+// the range runs past the allocation.
+struct allocation_range {
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  size_t offset = 0;
+};
+bool allocation_of(const void* p, size_t len, allocation_range& out) noexcept;
+
 }  // namespace shuttle::cuda::detail

@@ -36,6 +36,12 @@ inline std::size_t usable_chunk(std::size_t chunk, std::size_t align) noexcept {
   return std::max<std::size_t>(align, chunk / align * align);
 }
 
+// Alignment 0 means none (1); the chunk, a multiple of it.
+inline void normalize(std::size_t& align, std::size_t& chunk) noexcept {
+  if (align == 0) align = 1;
+  chunk = usable_chunk(chunk, align);
+}
+
 // Reads of [offset, offset + length) in chunks of at most `chunk` bytes
 // whose file offsets and lengths are multiples of `align` (1: buffered,
 // no rounding).
@@ -43,8 +49,7 @@ inline std::vector<file_chunk> plan_read(std::uint64_t offset, std::size_t lengt
                                          std::size_t chunk) {
   std::vector<file_chunk> out;
   if (length == 0) return out;
-  if (align == 0) align = 1;
-  chunk = usable_chunk(chunk, align);
+  normalize(align, chunk);
   const std::uint64_t end = offset + length;
   const std::uint64_t first = align_down(offset, align), last = align_up(end, align);
   out.reserve((last - first + chunk - 1) / chunk);
@@ -71,8 +76,7 @@ inline std::vector<file_chunk> plan_write(std::uint64_t offset, std::size_t leng
                                           std::size_t chunk) {
   std::vector<file_chunk> out;
   if (length == 0) return out;
-  if (align == 0) align = 1;
-  chunk = usable_chunk(chunk, align);
+  normalize(align, chunk);
   const std::uint64_t end = offset + length;
   std::uint64_t mid_begin = align_up(offset, align), mid_end = align_down(end, align);
   auto piece = [&](std::uint64_t s, std::uint64_t e, bool direct) {

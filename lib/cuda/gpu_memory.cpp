@@ -135,16 +135,7 @@ std::uint64_t buffer_id_of(const void* dev) {
 // peermem for that operation, or refused; never read by the CPU (inline,
 // staging) nor registered as host memory. Called only on the provider's
 // slow path and inline decision, never for registered memory.
-bool hook_is_device(const void* p, std::size_t) noexcept {
-  auto& d = detail::driver();
-  if (!d.pointer_get_attribute) return false;  // no driver: no device memory
-  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
-  unsigned int type = 0;
-  if (d.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) != CUDA_SUCCESS) return false;
-  if (type != CU_MEMORYTYPE_DEVICE) return false;
-  unsigned int managed = 0;  // managed memory is the CPU's to read too (it migrates)
-  return d.pointer_get_attribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr) != CUDA_SUCCESS || !managed;
-}
+bool hook_is_device(const void* p, std::size_t) noexcept { return detail::is_unmanaged_device_memory(p); }
 int hook_export_dmabuf(const void* p, std::size_t len, std::uint64_t* offset) noexcept {
   auto fd = export_dmabuf(p, len, offset);
   return fd ? *fd : -1;

@@ -19,35 +19,21 @@ namespace {
 
 namespace lp = shuttle::detail::local_provider;
 
-bool is_device(const void* p, std::size_t) noexcept {
-  auto& d = detail::driver();
-  if (!d.pointer_get_attribute) return false;  // no driver: no device memory
-  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
-  unsigned int type = 0;
-  if (d.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) != CUDA_SUCCESS) return false;
-  if (type != CU_MEMORYTYPE_DEVICE) return false;
-  unsigned int managed = 0;  // managed memory is the CPU's to read too (it migrates)
-  return d.pointer_get_attribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr) != CUDA_SUCCESS || !managed;
-}
+bool is_device(const void* p, std::size_t) noexcept { return detail::is_unmanaged_device_memory(p); }
 
 result<std::uint64_t> export_handle(const void* p, std::size_t len, lp::gpu_handle& out) noexcept {
-  auto& d = detail::driver();
-  if (!d.mem_get_address_range) return make_error_code(shuttle::errc::not_supported);
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
-  if (d.mem_get_address_range(&base, &size, ptr) != CUDA_SUCCESS || ptr - base > size || len > size - (ptr - base))
-    return make_error_code(shuttle::errc::not_supported);
+  detail::allocation_range a;
+  if (!detail::allocation_of(p, len, a)) return make_error_code(shuttle::errc::not_supported);
   cudaIpcMemHandle_t h{};
   static_assert(sizeof h == lp::gpu_handle_size);
   // Fails for memory from cuMemCreate (no IPC handle; a POSIX-fd export
   // would be its path) and for another process's imported memory.
-  if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)) != cudaSuccess) {
+  if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(a.base)) != cudaSuccess) {
     (void)cudaGetLastError();
     return make_error_code(shuttle::errc::not_supported);
   }
   std::memcpy(out.data(), &h, sizeof h);
-  return static_cast<std::uint64_t>(ptr - base);
+  return static_cast<std::uint64_t>(a.offset);
 }
 
 // Imports, by handle: a process may open a handle once, and several
@@ -101,24 +87,20 @@ result<lp::device_hooks::imported> import_handle(const lp::gpu_handle& h) noexce
 // our own (each import its own mapping: fds have no identity to share by).
 result<std::uint64_t> export_fd(const void* p, std::size_t len, int* fd, std::uint64_t* size) noexcept {
   auto& d = detail::driver();
-  if (!d.mem_get_address_range || !d.mem_retain_allocation_handle || !d.mem_export_to_shareable_handle ||
-      !d.mem_release)
-    return make_error_code(shuttle::errc::not_supported);
-  CUdeviceptr base = 0;
-  size_t range = 0;
-  const auto ptr = reinterpret_cast<CUdeviceptr>(p);
-  if (d.mem_get_address_range(&base, &range, ptr) != CUDA_SUCCESS || ptr - base > range || len > range - (ptr - base))
+  detail::allocation_range a;
+  if (!d.mem_retain_allocation_handle || !d.mem_export_to_shareable_handle || !d.mem_release ||
+      !detail::allocation_of(p, len, a))
     return make_error_code(shuttle::errc::not_supported);
   CUmemGenericAllocationHandle h{};
-  if (d.mem_retain_allocation_handle(&h, reinterpret_cast<void*>(base)) != CUDA_SUCCESS)
+  if (d.mem_retain_allocation_handle(&h, reinterpret_cast<void*>(a.base)) != CUDA_SUCCESS)
     return make_error_code(shuttle::errc::not_supported);
   int out = -1;
   CUresult e = d.mem_export_to_shareable_handle(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
   (void)d.mem_release(h);  // the retained reference; the mapping keeps its own
   if (e != CUDA_SUCCESS || out < 0) return make_error_code(shuttle::errc::not_supported);
   *fd = out;
-  *size = range;
-  return static_cast<std::uint64_t>(ptr - base);
+  *size = a.size;
+  return static_cast<std::uint64_t>(a.offset);
 }
 
 std::map<std::byte*, std::size_t>& fd_imports() {  // base -> size (under imports_mutex)
