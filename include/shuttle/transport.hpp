@@ -470,7 +470,10 @@ class prepared_operation {
         throw;
       }
     }
-    result<void> await_resume() {
+    // Inlined too: left to the compiler, g++ 12 made it an out-of-line
+    // clone in some callers, a tenth of read_lat's instructions
+    // (docs/measurements.md, 2026-12-06).
+    [[gnu::always_inline]] result<void> await_resume() {
       if (state_ == start_result::succeeded) {  // over in await_ready: nothing ran since, nothing to free
         p_->in_flight = false;
         return {};
