@@ -1,4 +1,5 @@
-// The staged GPU pipeline over the tcp provider (loopback, one loop):
+// The staged GPU pipeline over the tcp provider (loopback, one loop), or
+// over the local provider (--transport local: the same host, a Unix socket):
 // producer kernel -> D2H -> write_with_imm -> H2D -> consumer kernel, per
 // chunk. Measured in one run:
 //   T_kernels   producer and consumer kernels over all chunks, no transfer
@@ -14,7 +15,7 @@
 // The sender's stall times say where a pipeline loses: waiting for a
 // chunk's data (producer, D2H) or for credits (receiver slots).
 //
-//   gpu_pipeline_bench [MiB=512] [chunk KiB=2048] [sender buffers=2] [receiver slots=4]
+//   gpu_pipeline_bench [MiB=512] [chunk KiB=2048] [sender buffers=2] [receiver slots=4] [--transport tcp|local]
 #include <shuttle/cuda/cuda.hpp>
 #include <shuttle/cuda/kernels.hpp>
 #include <shuttle/cuda/staged.hpp>
@@ -28,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 using namespace shuttle;
@@ -42,9 +44,9 @@ struct setup {
   cuda::gpu_receiver rcv;
 };
 
-task<void> open_all(setup& p, cuda::staged_options o) {
+task<void> open_all(setup& p, cuda::staged_options o, transport_kind kind) {
   domain_options d;
-  d.kind = transport_kind::tcp;
+  d.kind = kind;
   p.sd.emplace(domain::open(d).value());
   p.cd.emplace(domain::open(d).value());
   p.l = p.sd->listen(endpoint::parse("127.0.0.1:0").value()).value();
@@ -72,11 +74,25 @@ int main(int argc, char** argv) {
     std::puts("no CUDA device: skipped");
     return 77;
   }
+  transport_kind kind = transport_kind::tcp;
+  for (int i = 1; i < argc; ++i) {  // --transport K, taken out of the positional arguments
+    if (std::string_view(argv[i]) != "--transport") continue;
+    auto k = i + 1 < argc ? parse_transport_kind(argv[i + 1]) : make_error_code(errc::invalid_argument);
+    if (!k || (*k != transport_kind::tcp && *k != transport_kind::local)) {
+      std::fprintf(stderr, "gpu_pipeline_bench: --transport takes tcp or local\n");
+      return 2;
+    }
+    kind = *k;
+    for (int j = i; j + 2 <= argc; ++j) argv[j] = argv[j + 2];
+    argc -= 2;
+    break;
+  }
   const std::size_t mib = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 512;
   const std::size_t chunk = (argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 2048) << 10;
   const std::size_t len = mib << 20, chunks = (len + chunk - 1) / chunk;
-  std::printf("gpu_pipeline_bench: %s; %zu MiB in %zu chunks of %zu KiB, tcp provider (staged)\n",
-              cuda::describe_device(0).c_str(), mib, chunks, chunk >> 10);
+  std::printf("gpu_pipeline_bench: %s; %zu MiB in %zu chunks of %zu KiB, %s provider (staged)\n",
+              cuda::describe_device(0).c_str(), mib, chunks, chunk >> 10,
+              kind == transport_kind::local ? "local" : "tcp");
   io_context ctx;
   setup p;
   cuda::staged_options o;
@@ -84,7 +100,7 @@ int main(int argc, char** argv) {
   o.sender_buffers = argc > 3 ? unsigned(std::strtoul(argv[3], nullptr, 10)) : 2;
   o.receiver_slots = argc > 4 ? unsigned(std::strtoul(argv[4], nullptr, 10)) : 4;
   std::printf("  sender bounce buffers %u, receiver slots %u\n", o.sender_buffers, o.receiver_slots);
-  ctx.run(open_all(p, o));
+  ctx.run(open_all(p, o, kind));
   cuda::stream s1, s2;
   cuda::device_buffer src(len), dst(len);
   unsigned long long* sums = nullptr;

@@ -15,7 +15,9 @@ for t in test_gpu_await test_gpu_registration test_gpu_staged test_gpu_ordered; 
 done
 echo "=== gpu_wait_bench"; timeout 120 "$D/gpu_wait_bench" 1 ${WAIT_SWEEP:+sweep} 2>&1
 # The issue's three configurations (MiB, chunk KiB, sender buffers, receiver slots).
-for cfg in "512 2048 2 4" "512 2048 3 8" "512 1024 4 8"; do
+# The same over the local provider (issue 30: >= 0.9 of max(kernels, transfer)).
+for cfg in "512 2048 2 4" "512 2048 3 8" "512 1024 4 8" "512 2048 2 4 --transport local" \
+  "512 2048 3 8 --transport local" "512 1024 4 8 --transport local"; do
   echo "=== gpu_pipeline_bench $cfg"; timeout 120 "$D/gpu_pipeline_bench" $cfg 2>&1
   rc=$?; [ $rc -ne 0 ] && { echo "=== gpu_pipeline_bench rc=$rc"; fail=1; }
 done
