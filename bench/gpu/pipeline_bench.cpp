@@ -77,12 +77,12 @@ int main(int argc, char** argv) {
   transport_kind kind = transport_kind::tcp;
   for (int i = 1; i < argc; ++i) {  // --transport K, taken out of the positional arguments
     if (std::string_view(argv[i]) != "--transport") continue;
-    auto k = i + 1 < argc ? parse_transport_kind(argv[i + 1]) : make_error_code(errc::invalid_argument);
-    if (!k || (*k != transport_kind::tcp && *k != transport_kind::local)) {
+    const std::string_view v = i + 1 < argc ? argv[i + 1] : "";
+    if (v != "tcp" && v != "local") {
       std::fprintf(stderr, "gpu_pipeline_bench: --transport takes tcp or local\n");
       return 2;
     }
-    kind = *k;
+    kind = v == "tcp" ? transport_kind::tcp : transport_kind::local;
     for (int j = i; j + 2 <= argc; ++j) argv[j] = argv[j + 2];
     argc -= 2;
     break;
