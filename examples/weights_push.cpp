@@ -21,7 +21,12 @@
 // read's own copies once enough streams exist -- so the flag was never set
 // (the run hung on the H100, 2026-12-05).
 //
-//   shuttle-weights-push [FILE] [--mib 2048] [--piece-mib 32] [--chunk-kib 2048]
+//   shuttle-weights-push [FILE] [--mib 2048] [--piece-mib 32] [--chunk-kib 2048] [--rounds 1]
+//
+// --rounds N repeats the three runs N times, their order rotating, and
+// reports each round's ratio and the median: a disk's speed can move by 2x
+// between runs a few seconds apart (docs/measurements.md, 2026-12-06), so a
+// pipelined run is judged against the bounds measured beside it.
 //
 // FILE (default ./weights_push.dat) is created with a pattern of --mib MiB
 // when missing. Sender and receiver share one loop on loopback.
@@ -39,8 +44,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
+#include <string>
 #include <vector>
 
 using namespace shuttle;
@@ -85,15 +93,17 @@ void drop_cache(const std::string& path) {
 
 int main(int argc, char** argv) {
   std::string path = "weights_push.dat";
-  std::size_t mib = 2048, piece_mib = 32, chunk_kib = 2048;
+  std::size_t mib = 2048, piece_mib = 32, chunk_kib = 2048, rounds = 1;
   CLI::App app{"Reads a file into GPU memory and pushes it to a peer over the tcp provider while the rest is read; "
                "checksums verified per chunk.",
                "shuttle-weights-push"};
-  cli::setup(app, "usage: shuttle-weights-push [FILE] [--mib N] [--piece-mib N] [--chunk-kib N]\n");
+  cli::setup(app, "usage: shuttle-weights-push [FILE] [--mib N] [--piece-mib N] [--chunk-kib N] [--rounds N]\n");
   app.add_option("FILE", path, "the file (created with a pattern when missing)")->type_name("");
   app.add_option("--mib", mib, "size of a created file (default 2048)")->transform(cli::count(1, 1u << 20));
   app.add_option("--piece-mib", piece_mib, "MiB per read_into (default 32)")->transform(cli::count(1, 1u << 14));
   app.add_option("--chunk-kib", chunk_kib, "KiB per network chunk (default 2048)")->transform(cli::count(4, 1u << 20));
+  app.add_option("--rounds", rounds, "pipelined run and bounds, N times in rotating order (default 1)")
+      ->transform(cli::count(1, 100));
   cli::parse(app, argc, argv);
   crash_trace::install();
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe as they are printed
@@ -155,23 +165,23 @@ int main(int argc, char** argv) {
   // and the disk idled whenever the network was the slower one for a piece
   // (0.72-0.83 of min(disk, network) on the H100 machine, 2026-12-06).
   std::error_code read_error;
-  semaphore landed(0);
+  std::optional<semaphore> landed;  // made anew for each pipelined run
   auto reader = [&]() -> task<void> {
     for (std::size_t p = 0; p < pieces; ++p) {
       const std::size_t off = p * piece, n = std::min(piece, len - off);
       auto got = co_await f->read_into({src.data() + off, n}, off);
       if (!got || *got != n) {
         read_error = got ? make_error_code(errc::eof) : got.error();
-        landed.close(read_error);  // the pusher stops at the piece that did not land
+        landed->close(read_error);  // the pusher stops at the piece that did not land
         co_return;
       }
-      landed.release();
+      landed->release();
     }
   };
   result<void> a{}, b{};
   auto pusher = [&]() -> task<void> {
     for (std::size_t p = 0; p < pieces && a && b; ++p) {
-      if (!co_await landed.acquire()) co_return;
+      if (!co_await landed->acquire()) co_return;
       const std::size_t base = p * piece, n = std::min(piece, len - base);
       // off is relative to the piece; a chunk's sum sits at its index in the file.
       auto produce = [&, base](std::size_t, std::size_t off, std::size_t sz, cudaStream_t st) {
@@ -190,56 +200,90 @@ int main(int argc, char** argv) {
     }
   };
   auto pipeline = [&]() -> task<void> { co_await when_all(reader(), pusher()); };
-  drop_cache(path);
-  phase("pipelined run: disk -> GPU -> network");
-  auto t0 = clk::now();
-  ctx.run(pipeline());
-  ctx.run([&]() -> task<void> { (void)co_await cuda::wait(s_cons.get()); }());
-  const double t_pipe = since(t0);
-  if (!a || !b || read_error) {
-    std::fprintf(stderr, "push failed: send %s, recv %s, read %s\n", a ? "ok" : a.error().message().c_str(),
-                 b ? "ok" : b.error().message().c_str(), read_error ? read_error.message().c_str() : "ok");
-    return 1;
-  }
-  phase("comparing checksums");
-  std::vector<unsigned long long> h(2 * chunks);
-  cuda::check(cudaMemcpy(h.data(), sums, h.size() * 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  auto gbs = [&](double t) { return double(len) / t / 1e9; };
   std::size_t bad = 0, bad_ref = 0;
-  for (std::size_t i = 0; i < chunks; ++i) {
-    if (h[i] != h[chunks + i]) ++bad;
-    if (own && h[chunks + i] != cuda::kernels::pattern_checksum(std::min(chunk, len - i * chunk), i * chunk, seed))
-      ++bad_ref;
-  }
-
+  std::vector<unsigned long long> h(2 * chunks);
+  // One pipelined run, its checksums compared; < 0: it failed.
+  auto run_pipelined = [&]() -> double {
+    cuda::check(cudaMemset(sums, 0, 2 * chunks * 8), "cudaMemset");
+    a = {};
+    b = {};
+    read_error = {};
+    landed.emplace(0);
+    drop_cache(path);
+    phase("pipelined run: disk -> GPU -> network");
+    auto t0 = clk::now();
+    ctx.run(pipeline());
+    ctx.run([&]() -> task<void> { (void)co_await cuda::wait(s_cons.get()); }());
+    const double t = since(t0);
+    if (!a || !b || read_error) {
+      std::fprintf(stderr, "push failed: send %s, recv %s, read %s\n", a ? "ok" : a.error().message().c_str(),
+                   b ? "ok" : b.error().message().c_str(), read_error ? read_error.message().c_str() : "ok");
+      return -1;
+    }
+    phase("comparing checksums");
+    cuda::check(cudaMemcpy(h.data(), sums, h.size() * 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    for (std::size_t i = 0; i < chunks; ++i) {
+      if (h[i] != h[chunks + i]) ++bad;
+      if (own && h[chunks + i] != cuda::kernels::pattern_checksum(std::min(chunk, len - i * chunk), i * chunk, seed))
+        ++bad_ref;
+    }
+    return t;
+  };
   // The bounds alone: the file read into the GPU cold; the loaded GPU memory sent.
-  drop_cache(path);
-  phase("disk -> GPU alone (cold)");
-  t0 = clk::now();
-  auto whole = ctx.run(f->read_into({src.data(), len}, 0));
-  const double t_disk = since(t0);
-  phase("GPU -> network alone");
-  t0 = clk::now();
-  auto [a2, b2] = ctx.run(when_all(snd.send(src.data(), len, s_prod), rcv.recv(dst.data(), len, s_cons)));
-  ctx.run([&]() -> task<void> { (void)co_await cuda::wait(s_cons.get()); }());
-  const double t_net = since(t0);
+  auto run_disk = [&]() -> double {
+    drop_cache(path);
+    phase("disk -> GPU alone (cold)");
+    auto t0 = clk::now();
+    auto whole = ctx.run(f->read_into({src.data(), len}, 0));
+    return whole ? since(t0) : -1;
+  };
+  auto run_net = [&]() -> double {
+    phase("GPU -> network alone");
+    auto t0 = clk::now();
+    auto [a2, b2] = ctx.run(when_all(snd.send(src.data(), len, s_prod), rcv.recv(dst.data(), len, s_cons)));
+    ctx.run([&]() -> task<void> { (void)co_await cuda::wait(s_cons.get()); }());
+    return a2 && b2 ? since(t0) : -1;
+  };
+  std::vector<double> ratios;
+  for (std::size_t round = 0; round < rounds; ++round) {
+    double t_pipe = 0, t_disk = 0, t_net = 0;
+    if (round % 2 == 0) {  // rotating: the pipelined run first, then last
+      t_pipe = run_pipelined();
+      t_disk = run_disk();
+      t_net = run_net();
+    } else {
+      t_disk = run_disk();
+      t_net = run_net();
+      t_pipe = run_pipelined();
+    }
+    if (t_pipe < 0) return 1;
+    if (t_disk < 0 || t_net < 0) {
+      std::fprintf(stderr, "bound runs failed\n");
+      return 1;
+    }
+    const double bound = std::max(t_disk, t_net);  // min of the two rates
+    ratios.push_back(bound / t_pipe);
+    std::printf("  %spipelined disk->GPU->network: %.2f s, %.2f GB/s (%zu chunks of %zu KiB, pieces of %zu MiB)\n"
+                "  disk->GPU alone (cold): %.2f GB/s; GPU->network alone: %.2f GB/s\n"
+                "  pipelined / min(disk, network) = %.2f (target >= 0.85)\n",
+                rounds > 1 ? ("round " + std::to_string(round + 1) + ": ").c_str() : "", t_pipe, gbs(t_pipe), chunks,
+                chunk >> 10, piece >> 20, gbs(t_disk), gbs(t_net), bound / t_pipe);
+  }
   phase("closing");
   ctx.run([&]() -> task<void> {
     (void)co_await tx.close();
     (void)co_await rx.close();
   }());
   (void)cudaFree(sums);
-  if (!whole || !a2 || !b2) {
-    std::fprintf(stderr, "bound runs failed\n");
-    return 1;
+  if (rounds > 1) {
+    std::vector<double> sorted = ratios;
+    std::sort(sorted.begin(), sorted.end());
+    std::printf("  median of %zu rounds: pipelined / min(disk, network) = %.2f (%.2f-%.2f; target >= 0.85)\n",
+                rounds, sorted[sorted.size() / 2], sorted.front(), sorted.back());
   }
-  auto gbs = [&](double t) { return double(len) / t / 1e9; };
-  const double bound = std::max(t_disk, t_net);  // min of the two rates
-  std::printf("  pipelined disk->GPU->network: %.2f s, %.2f GB/s (%zu chunks of %zu KiB, pieces of %zu MiB)\n"
-              "  disk->GPU alone (cold): %.2f GB/s; GPU->network alone: %.2f GB/s\n"
-              "  pipelined / min(disk, network) = %.2f (target >= 0.85)\n"
-              "  checksums: %zu/%zu chunks match sender and receiver%s\n",
-              t_pipe, gbs(t_pipe), chunks, chunk >> 10, piece >> 20, gbs(t_disk), gbs(t_net), bound / t_pipe,
-              chunks - bad, chunks, own ? (bad_ref ? ", MISMATCH against the file's pattern" : ", and the file's pattern")
-                                        : "");
+  std::printf("  checksums: %zu/%zu chunks match sender and receiver in %zu pipelined run%s%s\n",
+              chunks * rounds - bad, chunks * rounds, rounds, rounds > 1 ? "s" : "",
+              own ? (bad_ref ? ", MISMATCH against the file's pattern" : ", and the file's pattern") : "");
   return (bad || bad_ref) ? 1 : 0;
 }
