@@ -20,34 +20,31 @@ namespace shuttle::cuda::detail {
 
 namespace {
 
-auto read_at(io_context& ctx, int fd, std::byte* p, std::size_t n, std::uint64_t off, int fixed) {
+// One read or write at `off`, from or into a fixed buffer when `fixed` >= 0.
+auto transfer_at(io_context& ctx, int fd, std::byte* p, std::size_t n, std::uint64_t off, int fixed, bool write) {
   return shuttle::detail::make_uring_awaitable(
       ctx,
       [=](io_uring_sqe* sqe) {
-        if (fixed >= 0)
-          io_uring_prep_read_fixed(sqe, fd, p, static_cast<unsigned>(n), off, fixed);
+        const auto len = static_cast<unsigned>(n);
+        if (write && fixed >= 0)
+          io_uring_prep_write_fixed(sqe, fd, p, len, off, fixed);
+        else if (write)
+          io_uring_prep_write(sqe, fd, p, len, off);
+        else if (fixed >= 0)
+          io_uring_prep_read_fixed(sqe, fd, p, len, off, fixed);
         else
-          io_uring_prep_read(sqe, fd, p, static_cast<unsigned>(n), off);
+          io_uring_prep_read(sqe, fd, p, len, off);
       },
       [](int res, std::uint32_t) -> result<std::size_t> {
         if (res < 0) return errno_code(-res);
         return static_cast<std::size_t>(res);
       });
 }
-
+auto read_at(io_context& ctx, int fd, std::byte* p, std::size_t n, std::uint64_t off, int fixed) {
+  return transfer_at(ctx, fd, p, n, off, fixed, false);
+}
 auto write_at(io_context& ctx, int fd, const std::byte* p, std::size_t n, std::uint64_t off, int fixed) {
-  return shuttle::detail::make_uring_awaitable(
-      ctx,
-      [=](io_uring_sqe* sqe) {
-        if (fixed >= 0)
-          io_uring_prep_write_fixed(sqe, fd, p, static_cast<unsigned>(n), off, fixed);
-        else
-          io_uring_prep_write(sqe, fd, p, static_cast<unsigned>(n), off);
-      },
-      [](int res, std::uint32_t) -> result<std::size_t> {
-        if (res < 0) return errno_code(-res);
-        return static_cast<std::size_t>(res);
-      });
+  return transfer_at(ctx, fd, const_cast<std::byte*>(p), n, off, fixed, true);  // only read by the kernel
 }
 
 // One transfer's shared state, read by all its lanes.

@@ -138,10 +138,17 @@ result<gpu_file> gpu_file::from_fd(int fd, file_options o) {
   return finish_open(std::move(p), "/proc/self/fd/" + std::to_string(fd));
 }
 
+namespace {
+// What makes a transfer on `p` with `gpu` fail before it starts (none: {}).
+std::error_code refuse(const gpu_file::impl* p, const void* gpu, std::size_t len, bool write) {
+  if (!p || (write && !p->writable)) return std::make_error_code(std::errc::bad_file_descriptor);
+  if (io_context::current_or_null() != p->ctx) return make_error_code(errc::no_io_context);
+  return detail::check_gpu_span(gpu, len);
+}
+}  // namespace
+
 task<result<std::size_t>> gpu_file::read_into(std::span<std::byte> gpu, std::uint64_t offset) {
-  if (!p_) co_return std::make_error_code(std::errc::bad_file_descriptor);
-  if (io_context::current_or_null() != p_->ctx) co_return make_error_code(errc::no_io_context);
-  if (auto e = detail::check_gpu_span(gpu.data(), gpu.size())) co_return e;
+  if (auto e = refuse(p_.get(), gpu.data(), gpu.size(), false)) co_return e;
   if (gpu.empty()) co_return std::size_t{0};
   auto g = co_await p_->busy.lock();
   if (!g) co_return g.error();
@@ -150,10 +157,7 @@ task<result<std::size_t>> gpu_file::read_into(std::span<std::byte> gpu, std::uin
 }
 
 task<result<std::size_t>> gpu_file::write_from(std::span<const std::byte> gpu, std::uint64_t offset) {
-  if (!p_) co_return std::make_error_code(std::errc::bad_file_descriptor);
-  if (!p_->writable) co_return std::make_error_code(std::errc::bad_file_descriptor);
-  if (io_context::current_or_null() != p_->ctx) co_return make_error_code(errc::no_io_context);
-  if (auto e = detail::check_gpu_span(gpu.data(), gpu.size())) co_return e;
+  if (auto e = refuse(p_.get(), gpu.data(), gpu.size(), true)) co_return e;
   if (gpu.empty()) co_return std::size_t{0};
   auto g = co_await p_->busy.lock();
   if (!g) co_return g.error();
