@@ -7,8 +7,8 @@
 #           (builds blocks_bench in BUILD_DIR, copies it stripped to dir)
 #   device: bash bench/blocks/run-device.sh DIR
 #           (DIR: that dir, or a build dir; ends with "=== overall: PASS" when
-#           every run worked, whatever the ratios; each run has its own
-#           timeout, and no new round starts past BUDGET seconds, 420 by default)
+#           every run worked, whatever the ratios; each run has a 40 s
+#           timeout, and no run starts past BUDGET seconds, 420 by default)
 #
 # Rows, each a blocks_bench run whose ratio is measured within the run
 # (alternated transfers; see blocks_bench.cpp), ROUNDS rounds (default 5),
@@ -71,17 +71,19 @@ echo "binary: $bin, ROUNDS=$ROUNDS SMALL=${SMALL:-0}"
 fail=0
 start=$SECONDS
 done_rounds=0
+over=0
 for round in $(seq 1 "$ROUNDS"); do
-  if [ $((SECONDS - start)) -gt "$BUDGET" ]; then
-    echo "=== budget of ${BUDGET}s spent: $done_rounds rounds"
-    break
-  fi
   for k in $(seq 0 $((nrows - 1))); do
+    if [ $((SECONDS - start)) -gt "$BUDGET" ]; then
+      echo "=== budget of ${BUDGET}s spent in round $round: the rest is not run"
+      over=1
+      break 2
+    fi
     row=${rows[$(((k + round - 1) % nrows))]}
     name=${row%%|*} rest=${row#*|}
     args=${rest#*|}
     # shellcheck disable=SC2086
-    out=$(timeout 60 "$bin" $args 2>&1)
+    out=$(timeout 40 "$bin" $args 2>&1)
     rc=$?
     ratio=$(printf '%s\n' "$out" | awk '/^ratio /{print $NF}')
     if [ $rc -ne 0 ] || [ -z "$ratio" ]; then
@@ -99,6 +101,7 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 echo
+[ $over = 1 ] && echo "(round $((done_rounds + 1)) is partial)"
 echo "=== medians over $done_rounds rounds ($(date -u +%H:%M:%S), $((SECONDS - start)) s)"
 printf "%-20s %7s %7s %8s %11s %11s  %s\n" row target median verdict "GB/s(a)" "GB/s(b)" "per-round ratios"
 med() { sort -g | awk '{v[NR]=$1} END {if (NR == 0) print "nan"; else if (NR % 2) print v[(NR+1)/2]; else printf "%.3f\n", (v[NR/2]+v[NR/2+1])/2}'; }
