@@ -16,7 +16,10 @@ if [ "${1:-}" = --in-guest ]; then
   ibv_devinfo -v -d rxe0 2>/dev/null | grep -E "max_qp_rd_atom|max_qp_init_rd_atom|max_res_rd_atom" || true
   for i in $(seq "${REPS:-3}"); do
     order=("${bins[@]}")
-    [ $((i % 2)) = 0 ] && mapfile -t order < <(printf '%s\n' "${bins[@]}" | tac)
+    if [ $((i % 2)) = 0 ]; then  # reversed (no process substitution: the guest has no /dev/fd)
+      order=()
+      for b in "${bins[@]}"; do order=("$b" "${order[@]}"); done
+    fi
     for row in ${ROWS:-read:4096 write:4096}; do
       for b in "${order[@]}"; do
         label=${b%%=*} bin=${b#*=}
