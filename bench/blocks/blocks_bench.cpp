@@ -12,13 +12,21 @@
 // deep enough for the whole list, as issue 31 measures it); "transfer" is
 // the time to its completion.
 //
-// With --rails R (R > 1), striping instead: one N*B transfer over a
-// connection_group of R connections to the target against the same
-// transfer over one of them, alternated; the ratio is group / one.
+// With --rails R, striping instead: one N*B transfer over a
+// connection_group of R rails against the same transfer over a group of one
+// rail, alternated; the ratio is R rails / one. Each rail has a loop thread
+// of its own on each side (a runtime thread and a domain per rail in the
+// initiator, a thread and a domain per rail in the target), as multi-rail
+// users arrange it, and the one-rail baseline is the same arrangement with
+// one rail (its own connection on rail 0's threads): so one connection,
+// not one shared loop thread, is what the baseline is bound by. The group
+// itself lives on the main thread and hops to each rail's loop.
+// --one-loop: every rail and the baseline on one loop thread per side
+// (where a second rail adds a socket but no CPU).
 //
 // Usage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read]
-//                     [--rails R] [--transport tcp|verbs|local] [--addr IP]
-//                     [--no-write-list]
+//                     [--rails R [--one-loop]] [--transport tcp|verbs|local]
+//                     [--addr IP] [--no-write-list]
 //
 // --no-write-list (tcp and local): the target does not announce the
 // WRITE_LIST frame, as a peer that predates it: every block is a WRITE
@@ -32,13 +40,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace shuttle;
@@ -50,6 +62,7 @@ namespace {
 struct config {
   std::size_t blocks = 1000, block_size = 4096, iters = 30, rails = 1;
   bool read = false;
+  bool one_loop = false;  // --rails: every rail on one loop thread per side
   bool no_write_list = false;  // tcp/local: the target does not announce WRITE_LIST (a peer from before it)
   transport_kind kind = transport_kind::tcp;
   std::string addr = "127.0.0.1";
@@ -58,7 +71,7 @@ struct config {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "blocks_bench: %s\nusage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] "
-               "[--rails R] [--transport tcp|verbs|local] [--addr IP] [--no-write-list]\n",
+               "[--rails R [--one-loop]] [--transport tcp|verbs|local] [--addr IP] [--no-write-list]\n",
                why);
   std::exit(2);
 }
@@ -84,17 +97,21 @@ config parse(int argc, char** argv) {
     else if (a == "--read") c.read = true;
     else if (a == "--no-write-list") c.no_write_list = true;
     else if (a == "--rails") c.rails = number(next());
+    else if (a == "--one-loop") c.one_loop = true;
     else if (a == "--addr") c.addr = next();
     else if (a == "--transport") {
       auto k = parse_transport_kind(next());
       if (!k) usage("bad transport");
       c.kind = *k;
     } else if (a == "--help") {
-      std::printf("blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] [--transport K] [--addr IP]\n");
+      std::printf("blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] [--rails R [--one-loop]] "
+                  "[--transport K] [--addr IP] [--no-write-list]\n");
       std::exit(0);
     } else usage("unknown argument");
   }
   if (c.blocks * c.block_size > (std::size_t(1) << 30)) usage("N*B over 1 GiB");
+  if (c.rails > 64) usage("more than 64 rails");
+  if (c.one_loop && c.rails < 2) usage("--one-loop needs --rails 2 or more");
   return c;
 }
 
@@ -311,10 +328,215 @@ int initiator(const config& c, std::uint16_t port) {
   }());
 }
 
+// ------------------------------------------------- striping, a loop per rail
+
+// Runs `t` on `loop`'s thread, then comes back.
+template <class T>
+task<T> on_loop(io_context& loop, task<T> t) {
+  io_context& home = io_context::current();
+  co_await loop.schedule();
+  T v = co_await std::move(t);
+  co_await home.schedule();
+  co_return v;
+}
+
+// The target's rail r: a thread with its own loop and domain, the shared
+// memory registered there; it accepts `conns` connections (rail 0's thread:
+// its rail and the baseline's), sends each the descriptor, and waits for
+// each one's "done".
+int target_rail(const config& c, std::span<std::byte> mem, std::size_t conns, std::uint16_t& port_out,
+                std::mutex& m, std::condition_variable& cv, std::size_t& ready) {
+  io_context ctx;
+  return ctx.run([&]() -> task<int> {
+    domain d = open_domain(c);
+    auto mr = d.register_memory(mem, access::all);
+    auto l = d.listen(endpoint::parse(c.addr + ":0").value(), conn_opts(c));
+    {
+      std::lock_guard lock(m);
+      if (mr && l) port_out = l->local_endpoint()->port();
+      ++ready;
+      cv.notify_all();
+    }
+    if (!mr || !l) co_return 1;
+    std::array<std::byte, remote_buffer::wire_size> desc;
+    mr->remote().serialize(desc);
+    std::vector<connection> cs;
+    for (std::size_t i = 0; i < conns; ++i) {
+      auto a = co_await with_timeout(l->accept(), 30s);
+      if (!a || !co_await a->send(desc)) co_return 1;
+      cs.push_back(std::move(*a));
+    }
+    bool ok = true;
+    for (auto& x : cs) ok = (co_await x.recv()).has_value() && ok;
+    for (auto& x : cs) (void)co_await x.close();
+    co_return ok ? 0 : 1;
+  }());
+}
+
+int rails_target(const config& c, int port_pipe) {
+  std::vector<std::byte> mem(c.blocks * c.block_size, std::byte{1});
+  std::vector<std::uint16_t> ports(c.rails, 0);
+  std::vector<int> rc(c.rails, 1);
+  std::mutex m;
+  std::condition_variable cv;
+  std::size_t ready = 0;
+  std::vector<std::thread> ts;
+  for (std::size_t r = 0; r < c.rails; ++r)
+    ts.emplace_back([&, r] { rc[r] = target_rail(c, mem, r == 0 ? 2 : 1, ports[r], m, cv, ready); });
+  {
+    std::unique_lock lock(m);
+    cv.wait(lock, [&] { return ready == c.rails; });
+  }
+  const bool up = std::all_of(ports.begin(), ports.end(), [](std::uint16_t p) { return p != 0; });
+  if (up) {
+    const auto n = static_cast<ssize_t>(ports.size() * sizeof(std::uint16_t));
+    if (::write(port_pipe, ports.data(), ports.size() * sizeof(std::uint16_t)) != n) std::_Exit(1);
+  }
+  ::close(port_pipe);  // a short read: the initiator gives up
+  for (auto& t : ts) t.join();
+  return up && std::all_of(rc.begin(), rc.end(), [](int x) { return x == 0; }) ? 0 : 1;
+}
+
+// The initiator's rail r, made and torn down on its runtime thread.
+struct rail_end {
+  std::optional<domain> d;
+  std::optional<memory_region> mr;
+  std::vector<connection> cs;
+  remote_buffer remote{};
+};
+
+task<int> open_rail(const config& c, rail_end& e, std::uint16_t port, std::span<std::byte> mem, std::size_t conns) {
+  e.d.emplace(open_domain(c));
+  auto mr = e.d->register_memory(mem, access::all);
+  if (!mr) co_return 1;
+  e.mr.emplace(std::move(*mr));
+  for (std::size_t i = 0; i < conns; ++i) {
+    auto x = co_await with_timeout(e.d->connect(endpoint::parse(c.addr + ":" + std::to_string(port)).value(), conn_opts(c)), 30s);
+    if (!x) {
+      std::fprintf(stderr, "blocks_bench: connect: %s\n", x.error().message().c_str());
+      co_return 1;
+    }
+    auto desc = co_await x->recv();
+    if (!desc || desc->size() != remote_buffer::wire_size) co_return 1;
+    e.remote = remote_buffer::deserialize(desc->data().first<remote_buffer::wire_size>());
+    e.cs.push_back(std::move(*x));
+  }
+  co_return 0;
+}
+
+task<int> send_done(connection& x) {
+  const char bye[] = "done";
+  co_return (co_await x.send(std::as_bytes(std::span(bye)))).has_value() ? 0 : 1;
+}
+
+task<int> close_rail(rail_end& e) {
+  e.cs.clear();
+  e.mr.reset();
+  e.d.reset();
+  co_return 0;
+}
+
+int rails_initiator(const config& c, const std::vector<std::uint16_t>& ports) {
+  runtime rt(c.rails);
+  io_context ctx;
+  return ctx.run([&]() -> task<int> {
+    const std::size_t bytes = c.blocks * c.block_size;
+    std::vector<std::byte> mem(bytes, std::byte{2});
+    std::vector<rail_end> ends(c.rails);
+    int bad = 0;
+    for (std::size_t r = 0; r < c.rails && !bad; ++r)
+      bad = co_await on_loop(rt.context(r), open_rail(c, ends[r], ports[r], mem, r == 0 ? 2 : 1));
+    if (bad) {
+      for (std::size_t r = 0; r < c.rails; ++r) co_await on_loop(rt.context(r), close_rail(ends[r]));
+      co_return 1;
+    }
+    std::vector<connection> rails, one;
+    std::vector<io_context*> loops;
+    std::vector<remote_buffer> remotes;
+    for (std::size_t r = 0; r < c.rails; ++r) {
+      rails.push_back(std::move(ends[r].cs[0]));
+      loops.push_back(&rt.context(r));
+      remotes.push_back(ends[r].remote);
+    }
+    one.push_back(std::move(ends[0].cs[1]));
+    connection_group g(std::move(rails), loops), g1(std::move(one), {&rt.context(0)});
+    std::span<const remote_buffer> remote1(remotes.data(), 1);
+    std::span<std::byte> data(mem);
+    auto grouped = [&](bool& ok) -> task<void> {
+      auto r = c.read ? co_await g.read(data, remotes) : co_await g.write(data, remotes);
+      if (!r) std::fprintf(stderr, "blocks_bench: %zu rails: %s\n", c.rails, r.error().message().c_str());
+      ok = ok && r.has_value();
+    };
+    auto single = [&](bool& ok) -> task<void> {
+      auto r = c.read ? co_await g1.read(data, remote1) : co_await g1.write(data, remote1);
+      if (!r) std::fprintf(stderr, "blocks_bench: one rail: %s\n", r.error().message().c_str());
+      ok = ok && r.has_value();
+    };
+    bool ok = true;
+    std::vector<sample> gs, ss;
+    for (std::size_t i = 0; i < c.iters + 2 && ok; ++i) {  // 2 warm-up rounds; the order alternates
+      sample a{}, b{};
+      if (i % 2 == 0) {
+        a = co_await timed(grouped, ok);
+        b = co_await timed(single, ok);
+      } else {
+        b = co_await timed(single, ok);
+        a = co_await timed(grouped, ok);
+      }
+      if (i >= 2) {
+        gs.push_back(a);
+        ss.push_back(b);
+      }
+    }
+    for (std::size_t r = 0; r < g.size(); ++r) bad |= co_await on_loop(rt.context(r), send_done(g.rail(r)));
+    bad |= co_await on_loop(rt.context(0), send_done(g1.rail(0)));
+    (void)co_await g.close();
+    (void)co_await g1.close();
+    g = connection_group{};  // each rail is destroyed on its loop, before close_rail below runs there
+    g1 = connection_group{};
+    for (std::size_t r = 0; r < c.rails; ++r) co_await on_loop(rt.context(r), close_rail(ends[r]));
+    if (!ok || bad) co_return 1;
+    auto sg = summarize(gs, bytes), s1 = summarize(ss, bytes);
+    std::printf("provider %s, %s of %zu bytes, %zu iterations, a loop thread per rail on each side\n",
+                to_string(c.kind), c.read ? "read" : "write", bytes, c.iters);
+    std::printf("%-12s %10s %14s %14s\n", "", "B/W (GB/s)", "avg xfer(us)", "p99 xfer(us)");
+    std::printf("%-12s %10.3f %14.1f %14.1f\n", (std::to_string(c.rails) + " rails").c_str(), sg.gbps, sg.xfer_avg,
+                sg.xfer_p99);
+    std::printf("%-12s %10.3f %14.1f %14.1f\n", "1 rail", s1.gbps, s1.xfer_avg, s1.xfer_p99);
+    std::printf("ratio rails/one bandwidth: %.3f\n", sg.gbps / s1.gbps);
+    co_return 0;
+  }());
+}
+
+int rails_main(const config& c) {
+  int fds[2];
+  if (::pipe(fds) != 0) return 1;
+  pid_t child = ::fork();  // first: before any provider state or thread exists
+  if (child < 0) return 1;
+  if (child == 0) {
+    ::close(fds[0]);
+    std::_Exit(rails_target(c, fds[1]));
+  }
+  ::close(fds[1]);
+  std::vector<std::uint16_t> ports(c.rails);
+  const auto n = static_cast<ssize_t>(ports.size() * sizeof(std::uint16_t));
+  if (::read(fds[0], ports.data(), ports.size() * sizeof(std::uint16_t)) != n) {
+    std::fprintf(stderr, "blocks_bench: the target did not start\n");
+    ::waitpid(child, nullptr, 0);
+    return 1;
+  }
+  int rc = rails_initiator(c, ports);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  if (rc == 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) rc = 1;
+  return rc;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   config c = parse(argc, argv);
+  if (c.rails > 1 && !c.one_loop) return rails_main(c);
   int fds[2];
   if (::pipe(fds) != 0) return 1;
   pid_t child = ::fork();  // first: before any provider state exists

@@ -4,11 +4,46 @@
 #include <shuttle/when_all.hpp>
 
 #include <algorithm>
+#include <memory>
+#include <stdexcept>
 
 namespace shuttle {
 
 connection_group::connection_group(std::vector<connection> rails)
-    : rails_(std::move(rails)), in_flight_(rails_.size(), 0) {}
+    : rails_(std::move(rails)), loops_(rails_.size(), nullptr), in_flight_(rails_.size(), 0) {}
+
+connection_group::connection_group(std::vector<connection> rails, std::vector<io_context*> loops)
+    : rails_(std::move(rails)), loops_(std::move(loops)), in_flight_(rails_.size(), 0) {
+  if (loops_.size() != rails_.size()) throw std::invalid_argument("connection_group: one loop per rail");
+  io_context* here = io_context::current_or_null();
+  for (io_context*& l : loops_)
+    if (l == here) l = nullptr;
+}
+
+connection_group& connection_group::operator=(connection_group&& o) noexcept {
+  if (this != &o) {
+    drop_rails();
+    rails_ = std::move(o.rails_);
+    loops_ = std::move(o.loops_);
+    in_flight_ = std::move(o.in_flight_);
+  }
+  return *this;
+}
+
+connection_group::~connection_group() { drop_rails(); }
+
+// A rail of another loop is destroyed there: its destructor aborts the
+// connection, which only its loop's thread may do.
+void connection_group::drop_rails() noexcept {
+  for (std::size_t r = 0; r < rails_.size(); ++r) {
+    if (!loops_[r]) continue;
+    auto c = std::make_shared<connection>(std::move(rails_[r]));
+    loops_[r]->dispatch([c] { *c = connection{}; });
+  }
+  rails_.clear();
+  loops_.clear();
+  in_flight_.clear();
+}
 
 namespace {
 
@@ -37,9 +72,53 @@ std::vector<std::size_t> cut_list(std::span<const block> blocks, const std::vect
 
 }  // namespace
 
-task<block_result> connection_group::striped(bool write, std::span<std::byte> local, remote_buffer remote,
+namespace {
+
+// A part on rail `c` of loop `loop` (nullptr: this one): there and back, so
+// that the group's own code runs on its thread only.
+task<block_result> rail_part(connection& c, bool write, std::span<std::byte> local, remote_buffer remote,
+                             std::span<const block> blocks) {
+  // Not `co_await (write ? a : b)`: g++ 12 destroys that temporary twice.
+  if (write) return c.write_blocks(local, remote, blocks);
+  return c.read_blocks(local, remote, blocks);
+}
+
+task<block_result> part_on(io_context* loop, connection& c, bool write, std::span<std::byte> local,
+                           remote_buffer remote, std::span<const block> blocks) {
+  if (!loop) co_return co_await rail_part(c, write, local, remote, blocks);
+  io_context& home = io_context::current();
+  co_await loop->schedule();
+  block_result r = co_await rail_part(c, write, local, remote, blocks);
+  co_await home.schedule();
+  co_return r;
+}
+
+task<result<void>> notify_on(io_context* loop, connection& c, remote_buffer remote, std::uint32_t imm) {
+  if (!loop) co_return co_await c.write_with_imm({}, remote_buffer{remote.address, remote.rkey, 0}, imm);
+  io_context& home = io_context::current();
+  co_await loop->schedule();
+  result<void> r = co_await c.write_with_imm({}, remote_buffer{remote.address, remote.rkey, 0}, imm);
+  co_await home.schedule();
+  co_return r;
+}
+
+task<result<void>> close_on(io_context* loop, connection& c) {
+  if (!loop) co_return co_await c.close();
+  io_context& home = io_context::current();
+  co_await loop->schedule();
+  result<void> r = co_await c.close();
+  co_await home.schedule();
+  co_return r;
+}
+
+}  // namespace
+
+task<block_result> connection_group::striped(bool write, std::span<std::byte> local, std::vector<remote_buffer> remotes,
                                              std::span<const block> blocks, block_options options) {
   if (rails_.empty()) co_return block_result{make_error_code(errc::disconnected), 0};
+  if (remotes.size() != 1 && remotes.size() != rails_.size())
+    co_return block_result{std::make_error_code(std::errc::invalid_argument), 0};
+  auto remote_of = [&](std::size_t r) { return remotes.size() == 1 ? remotes[0] : remotes[r]; };
   const std::vector<std::size_t> cut = cut_list(blocks, in_flight_);
   std::vector<task<block_result>> parts;
   std::vector<std::size_t> first, rail_of;
@@ -49,7 +128,7 @@ task<block_result> connection_group::striped(bool write, std::span<std::byte> lo
     auto part = blocks.subspan(cut[r], cut[r + 1] - cut[r]);
     std::uint64_t b = 0;
     for (const block& x : part) b += x.length;
-    parts.push_back(write ? rails_[r].write_blocks(local, remote, part) : rails_[r].read_blocks(local, remote, part));
+    parts.push_back(part_on(loops_[r], rails_[r], write, local, remote_of(r), part));
     first.push_back(cut[r]);
     rail_of.push_back(r);
     bytes.push_back(b);
@@ -64,7 +143,7 @@ task<block_result> connection_group::striped(bool write, std::span<std::byte> lo
     co_return block_result{out[k].error(), idx == block_result::unknown ? idx : first[k] + idx};
   }
   if (options.notify) {
-    auto n = co_await rails_[0].write_with_imm({}, remote_buffer{remote.address, remote.rkey, 0}, *options.notify);
+    auto n = co_await notify_on(loops_[0], rails_[0], remote_of(0), *options.notify);
     if (!n) co_return block_result{n.error(), blocks.size() - 1};
   }
   co_return block_result{};
@@ -73,12 +152,24 @@ task<block_result> connection_group::striped(bool write, std::span<std::byte> lo
 task<block_result> connection_group::write_blocks(std::span<const std::byte> local, remote_buffer remote,
                                                   std::span<const block> blocks, block_options options) {
   // Only read from: write_blocks takes it as const again.
-  return striped(true, {const_cast<std::byte*>(local.data()), local.size()}, remote, blocks, options);
+  return striped(true, {const_cast<std::byte*>(local.data()), local.size()}, {remote}, blocks, options);
 }
 
 task<block_result> connection_group::read_blocks(std::span<std::byte> local, remote_buffer remote,
                                                  std::span<const block> blocks) {
-  return striped(false, local, remote, blocks, {});
+  return striped(false, local, {remote}, blocks, {});
+}
+
+task<block_result> connection_group::write_blocks(std::span<const std::byte> local,
+                                                  std::span<const remote_buffer> remotes,
+                                                  std::span<const block> blocks, block_options options) {
+  return striped(true, {const_cast<std::byte*>(local.data()), local.size()}, std::vector<remote_buffer>(remotes.begin(), remotes.end()), blocks,
+                 options);
+}
+
+task<block_result> connection_group::read_blocks(std::span<std::byte> local, std::span<const remote_buffer> remotes,
+                                                 std::span<const block> blocks) {
+  return striped(false, local, std::vector<remote_buffer>(remotes.begin(), remotes.end()), blocks, {});
 }
 
 namespace {
@@ -94,26 +185,36 @@ std::vector<block> as_blocks(std::size_t len, std::size_t rails) {
 }
 }  // namespace
 
-task<result<void>> connection_group::write(std::span<const std::byte> local, remote_buffer remote) {
-  if (local.size() > remote.length) co_return std::make_error_code(std::errc::result_out_of_range);
+task<result<void>> connection_group::contiguous(bool write, std::span<std::byte> local,
+                                                std::vector<remote_buffer> remotes) {
+  for (const remote_buffer& rb : remotes)
+    if (local.size() > rb.length) co_return std::make_error_code(std::errc::result_out_of_range);
   auto b = as_blocks(local.size(), rails_.size());
-  auto r = co_await write_blocks(local, remote, b);
+  auto r = co_await striped(write, local, std::move(remotes), b, {});
   if (!r) co_return r.error();
   co_return result<void>{};
 }
 
+task<result<void>> connection_group::write(std::span<const std::byte> local, remote_buffer remote) {
+  return contiguous(true, {const_cast<std::byte*>(local.data()), local.size()}, {remote});
+}
+
 task<result<void>> connection_group::read(std::span<std::byte> local, remote_buffer remote) {
-  if (local.size() > remote.length) co_return std::make_error_code(std::errc::result_out_of_range);
-  auto b = as_blocks(local.size(), rails_.size());
-  auto r = co_await read_blocks(local, remote, b);
-  if (!r) co_return r.error();
-  co_return result<void>{};
+  return contiguous(false, local, {remote});
+}
+
+task<result<void>> connection_group::write(std::span<const std::byte> local, std::span<const remote_buffer> remotes) {
+  return contiguous(true, {const_cast<std::byte*>(local.data()), local.size()}, std::vector<remote_buffer>(remotes.begin(), remotes.end()));
+}
+
+task<result<void>> connection_group::read(std::span<std::byte> local, std::span<const remote_buffer> remotes) {
+  return contiguous(false, local, std::vector<remote_buffer>(remotes.begin(), remotes.end()));
 }
 
 task<result<void>> connection_group::close() {
   result<void> first{};
-  for (connection& c : rails_) {
-    auto r = co_await c.close();
+  for (std::size_t i = 0; i < rails_.size(); ++i) {
+    auto r = co_await close_on(loops_[i], rails_[i]);
     if (!r && first) first = r;
   }
   co_return first;

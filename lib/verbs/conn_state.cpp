@@ -180,12 +180,18 @@ rdma_conn_param conn_state::conn_param(wire_hello_payload& data, const cm_evt* r
     p.private_data = n ? opts.payload.data() : nullptr;
     p.private_data_len = static_cast<std::uint8_t>(n);
   }
-  auto rd = static_cast<std::uint8_t>(std::min({dom->dattr.max_qp_rd_atom, dom->dattr.max_qp_init_rd_atom, 16}));
-  p.responder_resources = rd;
-  p.initiator_depth = rd;
+  // As many RDMA READs (and atomics) in flight as the device allows, each
+  // way: every READ of a block list holds one of the responder's resources
+  // until its response is in, so this depth bounds a list of small reads
+  // (rxe allows 128; the CM's field is 8 bits). The passive side answers
+  // with at most what the request offers.
+  const auto cap = [](int v) { return static_cast<std::uint8_t>(std::clamp(v, 0, 255)); };
+  const std::uint8_t responder = cap(dom->dattr.max_qp_rd_atom), initiator = cap(dom->dattr.max_qp_init_rd_atom);
+  p.responder_resources = responder;
+  p.initiator_depth = initiator;
   if (req) {
-    p.responder_resources = std::min(rd, req->initiator_depth);
-    p.initiator_depth = std::min(rd, req->responder_resources);
+    p.responder_resources = std::min(responder, req->initiator_depth);
+    p.initiator_depth = std::min(initiator, req->responder_resources);
   }
   p.retry_count = 7;
   p.rnr_retry_count = rnr_retries;  // the peer's QP: what it may retry on this side's RNR NAKs

@@ -10,6 +10,7 @@
 #include "wire.hpp"
 
 #include <algorithm>
+#include <array>
 #include <numeric>
 #include <random>
 
@@ -509,6 +510,126 @@ TEST_CASE("striping: an empty group fails at block 0") {
     auto r = co_await g.write_blocks(buf, remote_buffer{1, 1, 64}, blocks);
     CHECK(is_error(r.error(), errc::disconnected));
     CHECK(r.failed_block() == 0);
+  }());
+}
+
+namespace {
+// One rail's objects on one side, made, used and destroyed on that side's
+// loop thread (a runtime's), as the threading rules ask.
+struct rail_side {
+  std::optional<domain> d;
+  std::optional<memory_region> mr;
+  listener l;
+  connection c;
+};
+// Runs `t` on `loop`'s thread, then comes back.
+template <class T>
+task<T> on_loop(io_context& loop, task<T> t) {
+  io_context& home = io_context::current();
+  co_await loop.schedule();
+  T v = co_await std::move(t);
+  co_await home.schedule();
+  co_return v;
+}
+task<std::uint16_t> serve_rail(rail_side& s, std::span<std::byte> target) {
+  s.d.emplace(domain::open().value());
+  s.mr.emplace(s.d->register_memory(target, access::all).value());
+  s.l = s.d->listen(test_endpoint(0)).value();
+  co_return s.l.local_endpoint()->port();
+}
+task<bool> accept_rail(rail_side& s) {
+  auto c = co_await accept_within_limit(s.l);
+  if (c) s.c = std::move(*c);
+  co_return c.has_value();
+}
+task<bool> connect_rail(rail_side& s, std::uint16_t port) {
+  s.d.emplace(domain::open().value());
+  auto c = co_await s.d->connect(test_endpoint(port));
+  if (c) s.c = std::move(*c);
+  co_return c.has_value();
+}
+task<std::uint32_t> recv_imm(rail_side& s) {  // the message stays on its thread
+  auto m = co_await s.c.recv();
+  co_return m && m->imm() ? *m->imm() : 0;
+}
+task<bool> drop_rail(rail_side& s) {  // an abort, as a peer that goes away
+  s.c = connection{};
+  s.l.close();
+  s.mr.reset();
+  s.d.reset();
+  co_return true;
+}
+}  // namespace
+
+TEST_CASE("striping: rails on loops of their own, a remote per rail, every byte checked; a failed rail fails it") {
+  runtime rt(4);  // the group's rails on threads 0 and 1, their peers on 2 and 3
+  io_context ctx;
+  ctx.run([&]() -> task<void> {
+    constexpr std::size_t rails = 2, n = 4000, size = 200;
+    auto src = pattern(2 * n * size, 31);
+    std::vector<std::byte> target(2 * n * size, std::byte{0x5A});
+    std::array<rail_side, rails> srv, cli;
+    std::vector<remote_buffer> remotes;
+    std::vector<connection> conns;
+    std::vector<io_context*> loops;
+    for (std::size_t r = 0; r < rails; ++r) {
+      io_context &sl = rt.context(2 + r), &cl = rt.context(r);
+      const std::uint16_t port = co_await on_loop(sl, serve_rail(srv[r], target));
+      auto [a, c] = co_await when_all(on_loop(sl, accept_rail(srv[r])), on_loop(cl, connect_rail(cli[r], port)));
+      REQUIRE(a);
+      REQUIRE(c);
+      remotes.push_back(srv[r].mr->remote());
+      conns.push_back(std::move(cli[r].c));
+      loops.push_back(&cl);
+    }
+    connection_group g(std::move(conns), loops);
+    CHECK(g.loop(1) == &rt.context(1));
+    auto blocks = scattered(n, size, 7);
+    const auto before = block_transfer_stats();
+    auto [w, imm] = co_await when_all(g.write_blocks(src, remotes, blocks, {.notify = 5u}),
+                                      on_loop(rt.context(2), recv_imm(srv[0])));
+    REQUIRE(w.has_value());
+    CHECK(imm == 5u);  // after every block of both rails
+    // The parts ran on the rails' threads: none on this one.
+    CHECK(block_transfer_stats().lists == before.lists);
+    std::size_t bad = 0;
+    for (const block& b : blocks)
+      bad += !std::equal(src.begin() + b.local_offset, src.begin() + b.local_offset + b.length,
+                         target.begin() + b.remote_offset);
+    CHECK(bad == 0);
+    auto big = pattern(1 << 20, 32);
+    REQUIRE((co_await g.write(big, remotes)).has_value());
+    CHECK(std::equal(big.begin(), big.end(), target.begin()));
+    std::vector<std::byte> back(big.size());
+    REQUIRE((co_await g.read(back, remotes)).has_value());
+    CHECK(back == big);
+    // One remote per rail or one for all: another count is refused.
+    auto three = std::vector<remote_buffer>{remotes[0], remotes[1], remotes[1]};
+    auto wrong = co_await g.write_blocks(src, three, blocks);
+    CHECK(wrong.error() == std::errc::invalid_argument);
+    CHECK(wrong.failed_block() == 0);
+    // Rail 1's peer goes away (on its own thread): the transfer fails at
+    // rail 1's first block; rail 0's part is done.
+    co_await on_loop(rt.context(3), drop_rail(srv[1]));
+    std::vector<block> even;
+    for (std::uint64_t i = 0; i < 1000; ++i) even.push_back({i * 2 * size, i * 2 * size, size});
+    std::fill(target.begin(), target.end(), std::byte{0});
+    auto f = co_await g.write_blocks(src, remotes, even);
+    REQUIRE_FALSE(f.has_value());
+    CHECK(matches(f.error(), errc::disconnected));
+    if (g.rail(1).kind() != transport_kind::verbs || f.failed_block() != block_result::unknown)
+      CHECK(f.failed_block() == 500);
+    bad = 0;
+    for (std::size_t i = 0; i < 500; ++i)
+      bad += !std::equal(src.begin() + even[i].local_offset, src.begin() + even[i].local_offset + size,
+                         target.begin() + even[i].remote_offset);
+    CHECK(bad == 0);
+    (void)co_await g.close();
+    g = connection_group{};  // the rails go back to their loops, destroyed there
+    for (std::size_t r = 0; r < rails; ++r) {
+      co_await on_loop(rt.context(2 + r), drop_rail(srv[r]));
+      co_await on_loop(rt.context(r), drop_rail(cli[r]));
+    }
   }());
 }
 
