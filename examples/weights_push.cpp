@@ -4,7 +4,7 @@
 //   disk --read_into--> GPU (sender) --staged channel, tcp provider--> GPU (receiver)
 //
 // The file is read in pieces (`--piece-mib`, each one read_into with its
-// chunks in flight), one after the other; each piece goes on the wire (one
+// chunks in flight) by two readers taking turns; each piece goes on the wire (one
 // staged transfer, its chunks checksummed on the sender's GPU by the
 // producer) as soon as it has landed, while the next ones are read. The receiver checksums every chunk on its GPU after the chunk's
 // copy; every chunk's two checksums are compared, and against the file's
@@ -157,31 +157,38 @@ int main(int argc, char** argv) {
   cuda::check(cudaMalloc(reinterpret_cast<void**>(&sums), 2 * chunks * 8), "cudaMalloc");
   cuda::check(cudaMemset(sums, 0, 2 * chunks * 8), "cudaMemset");
 
-  // The pipelined run: the reader reads piece after piece, never waiting
-  // for the network (the whole file has its place in GPU memory), and
-  // hands each one over as it lands; the pusher sends each piece once it
-  // is there. An earlier version read piece p+1 and sent piece p in
-  // lockstep, so each piece cost the slower of the two plus the hand-over,
-  // and the disk idled whenever the network was the slower one for a piece
-  // (0.72-0.83 of min(disk, network) on the H100 machine, 2026-12-06).
+  // The pipelined run: two readers, each on its own gpu_file, read every
+  // other piece, never waiting for the network (the whole file has its
+  // place in GPU memory), and hand each one over as it lands; the pusher
+  // sends each piece once it is there. An earlier version read piece p+1
+  // and sent piece p in lockstep, so each piece cost the slower of the two
+  // plus the hand-over (0.72-0.83 of min(disk, network) on the H100
+  // machine, 2026-12-06); one reader alone drains the disk's queue at the
+  // end of every piece, since a gpu_file runs one read_into at a time
+  // (0.77-0.97, median 0.84, docs/measurements.md).
+  auto f2 = cuda::gpu_file::open(path);
+  if (!f2) {
+    std::fprintf(stderr, "open %s (second reader): %s\n", path.c_str(), f2.error().message().c_str());
+    return 1;
+  }
   std::error_code read_error;
-  std::optional<semaphore> landed;  // made anew for each pipelined run
-  auto reader = [&]() -> task<void> {
-    for (std::size_t p = 0; p < pieces; ++p) {
+  std::optional<semaphore> landed[2];  // per reader; made anew for each pipelined run
+  auto reader = [&](unsigned which, cuda::gpu_file& file) -> task<void> {
+    for (std::size_t p = which; p < pieces; p += 2) {
       const std::size_t off = p * piece, n = std::min(piece, len - off);
-      auto got = co_await f->read_into({src.data() + off, n}, off);
+      auto got = co_await file.read_into({src.data() + off, n}, off);
       if (!got || *got != n) {
         read_error = got ? make_error_code(errc::eof) : got.error();
-        landed->close(read_error);  // the pusher stops at the piece that did not land
+        landed[which]->close(read_error);  // the pusher stops at the piece that did not land
         co_return;
       }
-      landed->release();
+      landed[which]->release();
     }
   };
   result<void> a{}, b{};
   auto pusher = [&]() -> task<void> {
     for (std::size_t p = 0; p < pieces && a && b; ++p) {
-      if (!co_await landed->acquire()) co_return;
+      if (!co_await landed[p % 2]->acquire()) co_return;  // pieces land in order per reader
       const std::size_t base = p * piece, n = std::min(piece, len - base);
       // off is relative to the piece; a chunk's sum sits at its index in the file.
       auto produce = [&, base](std::size_t, std::size_t off, std::size_t sz, cudaStream_t st) {
@@ -199,7 +206,7 @@ int main(int argc, char** argv) {
       b = std::move(y);
     }
   };
-  auto pipeline = [&]() -> task<void> { co_await when_all(reader(), pusher()); };
+  auto pipeline = [&]() -> task<void> { co_await when_all(reader(0, *f), reader(1, *f2), pusher()); };
   auto gbs = [&](double t) { return double(len) / t / 1e9; };
   std::size_t bad = 0, bad_ref = 0;
   std::vector<unsigned long long> h(2 * chunks);
@@ -209,7 +216,8 @@ int main(int argc, char** argv) {
     a = {};
     b = {};
     read_error = {};
-    landed.emplace(0);
+    landed[0].emplace(0);
+    landed[1].emplace(0);
     drop_cache(path);
     phase("pipelined run: disk -> GPU -> network");
     auto t0 = clk::now();
