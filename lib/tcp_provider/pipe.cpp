@@ -4,8 +4,20 @@
 #include "conn_state.hpp"
 
 #include <array>
+#include <cstdlib>
 
 namespace shuttle::detail::tcp_provider {
+
+namespace {
+// pipe_spin, or SHUTTLE_PIPE_SPIN_US (microseconds; read once) for measurements.
+std::chrono::microseconds spin_time() noexcept {
+  static const std::chrono::microseconds t = [] {
+    const char* e = std::getenv("SHUTTLE_PIPE_SPIN_US");
+    return e ? std::chrono::microseconds(std::strtoul(e, nullptr, 10)) : pipe_spin;
+  }();
+  return t;
+}
+}  // namespace
 
 // Sleeps until the peer rings (or hangs up, or the loops stop), unless the
 // pipe has something once the peer has been told to ring: the flag is set
@@ -18,12 +30,12 @@ task<result<void>> conn_state::pipe_wait(bool reading) {
     // A peer that answers within pipe_spin (a ping-pong, a stream) is
     // waited for by turns of the loop (other work runs meanwhile), not by
     // sleeping: no doorbell, no syscall, on either side.
-    const auto until = clock::now() + pipe_spin;
-    do {
+    const auto until = clock::now() + spin_time();
+    while (clock::now() < until) {
       co_await yield();
       if (stop.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
       if (pipe->readable_now() || pipe->gone) co_return result<void>{};
-    } while (clock::now() < until);
+    }
   }
   event& e = reading ? pipe->readable : pipe->writable;
   e.reset();

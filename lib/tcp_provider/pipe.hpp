@@ -18,8 +18,10 @@
 namespace shuttle::detail::tcp_provider {
 
 // How long a reader with nothing to read polls the pipe (by loop turns)
-// before it sleeps and has the peer ring.
-inline constexpr std::chrono::microseconds pipe_spin{20};
+// before it sleeps and has the peer ring. 0: polling by loop turns cost
+// the spin time itself per message between processes (docs/measurements.md,
+// 2026-12-06): a busy-polled pipe belongs in the loop's pollers (to do).
+inline constexpr std::chrono::microseconds pipe_spin{0};
 
 struct byte_pipe {
   byte_pipe() = default;
