@@ -3,9 +3,13 @@
 //    single-threaded memcpy between two buffers (target >= 0.8x), and
 //    against the tcp provider on loopback (target >= 5x);
 //  - 8-byte write latency (target <= 1 us), and the tcp provider's.
+//  - send/recv round trips (8 B, 4 KiB), send bandwidth (64 KiB messages)
+//    and write_bw into memory that is not shared, over the shared-memory
+//    rings against the socket path (SHUTTLE_LOCAL_RINGS=0) and tcp.
 // Both peers run in this process on one loop; the initiator writes through
 // its own mapping of the target's memfd, as a peer process would.
-// Usage: local_bench [seconds per measurement, default 1]
+// `--peer`: the peers in two processes (for bench/local/ucx_compare.sh).
+// Usage: local_bench [seconds per measurement, default 1] | --peer [seconds]
 #include <shuttle/local.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
