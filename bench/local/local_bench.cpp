@@ -3,14 +3,22 @@
 //    single-threaded memcpy between two buffers (target >= 0.8x), and
 //    against the tcp provider on loopback (target >= 5x);
 //  - 8-byte write latency (target <= 1 us), and the tcp provider's.
+//  - send/recv round trips (8 B, 4 KiB), send bandwidth (64 KiB messages)
+//    and write_bw into memory that is not shared, over the shared-memory
+//    rings against the socket path (SHUTTLE_LOCAL_RINGS=0) and tcp.
 // Both peers run in this process on one loop; the initiator writes through
 // its own mapping of the target's memfd, as a peer process would.
-// Usage: local_bench [seconds per measurement, default 1]
+// `--peer`: the peers in two processes (for bench/local/ucx_compare.sh).
+// Usage: local_bench [seconds per measurement, default 1] | --peer [seconds]
 #include <shuttle/local.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -98,9 +106,159 @@ task<double> write_lat_ns(connection& c, remote_buffer rb) {
   co_return el.count() * 1e9 / double(n);
 }
 
+// send/recv ping-pong: `size`-byte messages, the server echoing each; mean
+// ns per round trip.
+task<void> echo(connection& c) {
+  for (;;) {
+    auto m = co_await c.recv();
+    if (!m || m->size() == 0) co_return;  // an empty message ends it
+    std::vector<std::byte> copy(m->data().begin(), m->data().end());
+    m->reset();
+    if (!co_await c.send(copy)) co_return;
+  }
+}
+
+task<double> pingpong_ns(connection& c, std::size_t size) {
+  std::vector<std::byte> msg(size, std::byte{3});
+  auto once = [&]() -> task<void> {
+    if (!co_await c.send(msg)) std::abort();
+    auto r = co_await c.recv();
+    if (!r || r->size() != size) std::abort();
+  };
+  for (int i = 0; i < 200; ++i) co_await once();
+  std::size_t n = 0;
+  auto t0 = bench_clock::now();
+  std::chrono::duration<double> el{};
+  do {
+    for (int i = 0; i < 128; ++i, ++n) co_await once();
+    el = bench_clock::now() - t0;
+  } while (el.count() < seconds_per_run);
+  co_return el.count() * 1e9 / double(n);
+}
+
+// send bandwidth: `depth` sends of `size` bytes in flight, the peer
+// releasing each message as it comes.
+task<void> sink(connection& c, std::size_t& got) {
+  for (;;) {
+    auto m = co_await c.recv();
+    if (!m || m->size() == 0) co_return;
+    got += m->size();
+  }
+}
+
+task<double> send_gbps(connection& c, std::size_t size, int depth) {
+  std::vector<std::byte> src(size, std::byte{4});
+  std::size_t n = 0;
+  auto t0 = bench_clock::now();
+  std::chrono::duration<double> el{};
+  do {
+    std::vector<task<result<void>>> ss;
+    for (int i = 0; i < depth; ++i, ++n) ss.push_back(c.send(src));
+    for (auto& r : co_await when_all(std::move(ss)))
+      if (!r) std::abort();
+    el = bench_clock::now() - t0;
+  } while (el.count() < seconds_per_run);
+  co_return double(n) * double(size) / el.count() / 1e9;
+}
+
+// Two-sided figures and one-sided ones on memory that is not shared, on
+// the rings (default) or on the socket (SHUTTLE_LOCAL_RINGS=0, read when a
+// connection is made).
+struct two_sided {
+  double lat8 = 0, lat4k = 0, send_bw = 0, write_bw = 0;
+};
+
+task<void> measure_two_sided(two_sided& out, transport_kind k, bool rings) {
+  ::setenv("SHUTTLE_LOCAL_RINGS", rings ? "1" : "0", 1);
+  connection_options o;
+  o.receive_buffer_size = 64 << 10;
+  o.receive_buffers = 32;
+  domain_options d;
+  d.kind = k;
+  peer_pair p;
+  p.sd.emplace(domain::open(d).value());
+  p.cd.emplace(domain::open(d).value());
+  p.l = p.sd->listen(endpoint::loopback(0), o).value();
+  auto [s, c] = co_await when_all(p.l.accept(), p.cd->connect(endpoint::loopback(p.l.local_endpoint()->port()), o));
+  p.server = std::move(s).value();
+  p.client = std::move(c).value();
+  co_await when_all(
+      [&]() -> task<void> { co_await echo(p.server); }(),
+      [&]() -> task<void> {
+        out.lat8 = co_await pingpong_ns(p.client, 8);
+        out.lat4k = co_await pingpong_ns(p.client, 4096);
+        (void)co_await p.client.send({});
+      }());
+  std::size_t got = 0;
+  co_await when_all([&]() -> task<void> { co_await sink(p.server, got); }(),
+                    [&]() -> task<void> {
+                      out.send_bw = co_await send_gbps(p.client, 64 << 10, 16);
+                      (void)co_await p.client.send({});
+                    }());
+  std::vector<std::byte> target(1 << 20);
+  auto mr = p.sd->register_memory(target, access::all).value();
+  out.write_bw = co_await write_gbps(p.client, mr.remote(), target.size(), 8);
+  (void)co_await p.client.close();
+  (void)co_await p.server.close();
+  ::unsetenv("SHUTTLE_LOCAL_RINGS");
+}
+
+// --peer [seconds]: the peers in two processes (as ucx_perftest runs them,
+// bench/local/ucx_compare.sh): a forked server with a shared region that
+// echoes messages; this process measures. Prints `name value` lines.
+int peer_main(int argc, char** argv) {
+  if (argc > 2) seconds_per_run = std::max(0.05, std::atof(argv[2]));
+  int pfd[2];
+  if (::pipe(pfd) != 0) return 1;
+  const pid_t child = ::fork();
+  if (child < 0) return 1;
+  domain_options o;
+  o.kind = transport_kind::local;
+  if (child == 0) {
+    io_context cctx;
+    cctx.run([&]() -> task<void> {
+      auto d = domain::open(o).value();
+      auto l = d.listen(endpoint::loopback(0)).value();
+      const std::uint16_t port = l.local_endpoint()->port();
+      if (::write(pfd[1], &port, sizeof port) != sizeof port) std::_Exit(1);
+      auto mem = shared_memory::allocate(1 << 20).value();
+      auto mr = d.register_memory(mem.span(), access::all).value();
+      auto c = (co_await l.accept()).value();
+      std::array<std::byte, remote_buffer::wire_size> wire{};
+      mr.remote().serialize(wire);
+      (void)co_await c.send(wire);
+      co_await echo(c);
+      (void)co_await c.close();
+    }());
+    std::_Exit(0);
+  }
+  std::uint16_t port = 0;
+  if (::read(pfd[0], &port, sizeof port) != sizeof port) return 1;
+  io_context ctx;
+  double bw = 0, lat = 0, rtt = 0;
+  ctx.run([&]() -> task<void> {
+    auto d = domain::open(o).value();
+    auto c = (co_await d.connect(endpoint::loopback(port))).value();
+    auto m = (co_await c.recv()).value();
+    auto rb = remote_buffer::deserialize(m.data().first<remote_buffer::wire_size>());
+    m.reset();
+    bw = co_await write_gbps(c, rb, 1 << 20, 1);
+    lat = co_await write_lat_ns(c, rb.slice(0, 8).value());
+    rtt = co_await pingpong_ns(c, 8);
+    (void)co_await c.send({});
+    (void)co_await c.close();
+  }());
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  std::printf("write_bw_1MiB_MBps %.1f\nwrite_lat_8B_us %.4f\nsend_lat_8B_us %.4f\n", bw * 1e3, lat / 1e3,
+              rtt / 2e3);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--peer") == 0) return peer_main(argc, argv);
   if (argc > 1) seconds_per_run = std::max(0.05, std::atof(argv[1]));
   constexpr std::size_t size = 1 << 20;
   io_context ctx;
@@ -127,6 +285,12 @@ int main(int argc, char** argv) {
       (void)co_await p.server.close();
     }
   }());
+  two_sided rings, sock, tcp;
+  ctx.run([&]() -> task<void> {
+    co_await measure_two_sided(rings, transport_kind::local, true);
+    co_await measure_two_sided(sock, transport_kind::local, false);
+    co_await measure_two_sided(tcp, transport_kind::tcp, true);
+  }());
   const double mc = memcpy_gbps(size);
   std::printf("memcpy 1 MiB (one thread):        %8.2f GB/s\n", mc);
   std::printf("local write_bw 1 MiB (depth 1):   %8.2f GB/s  = %.2fx memcpy (target >= 0.8)\n", local_bw,
@@ -135,5 +299,13 @@ int main(int argc, char** argv) {
               local_bw / tcp_bw);
   std::printf("local write_lat 8 B:              %8.1f ns (target <= 1000)\n", local_lat);
   std::printf("tcp   write_lat 8 B:              %8.1f ns  (%.0fx local)\n", tcp_lat, tcp_lat / local_lat);
+  std::printf("send/recv round trip, 8 B:   rings %7.2f us  socket %7.2f us  tcp %7.2f us  (rings = %.2fx socket)\n",
+              rings.lat8 / 1e3, sock.lat8 / 1e3, tcp.lat8 / 1e3, rings.lat8 / sock.lat8);
+  std::printf("send/recv round trip, 4 KiB: rings %7.2f us  socket %7.2f us  tcp %7.2f us  (rings = %.2fx socket)\n",
+              rings.lat4k / 1e3, sock.lat4k / 1e3, tcp.lat4k / 1e3, rings.lat4k / sock.lat4k);
+  std::printf("send bw 64 KiB (depth 16):   rings %7.2f GB/s socket %7.2f GB/s tcp %7.2f GB/s (rings = %.2fx socket)\n",
+              rings.send_bw, sock.send_bw, tcp.send_bw, rings.send_bw / sock.send_bw);
+  std::printf("write_bw 1 MiB, not shared:  rings %7.2f GB/s socket %7.2f GB/s tcp %7.2f GB/s (rings = %.2fx socket)\n",
+              rings.write_bw, sock.write_bw, tcp.write_bw, rings.write_bw / sock.write_bw);
   return 0;
 }

@@ -1,6 +1,7 @@
 // A local-provider connection's set-up: the local hello with its
 // descriptors (local_wire.hpp), then the engine's hello, on the Unix socket.
 #include "conn_state.hpp"
+#include "ring.hpp"
 #include "sys_io.hpp"
 
 #include "../tcp_provider/connection.hpp"
@@ -46,6 +47,10 @@ task<result<std::shared_ptr<tp::conn_state>>> handshake(tcp_socket& sock, std::s
   x->dom = dom;
   std::vector<int> passed{dom->keys->fd()};  // the peer gets its own copies
   int theirs_end = -1;
+  local_wire::hello h;
+  h.from = me;
+  h.rings = rings_wanted();
+  fd_list ring_fd;  // the connector's rings, made here
   if (me == local_wire::role::connector) {
     int pair[2];
     if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, pair) != 0)
@@ -53,9 +58,16 @@ task<result<std::shared_ptr<tp::conn_state>>> handshake(tcp_socket& sock, std::s
     x->service_fd = pair[0];
     theirs_end = pair[1];
     passed.push_back(pair[1]);
+    if (h.rings) {
+      auto m = make_ring_memfd();
+      if (!m) {
+        ::close(theirs_end);
+        co_return m.error();
+      }
+      ring_fd.fds.push_back(*m);
+      passed.push_back(*m);
+    }
   }
-  local_wire::hello h;
-  h.from = me;
   std::array<std::byte, local_wire::hello_size> mine{}, theirs{};
   local_wire::encode_hello(h, mine);
   auto sent = send_with_fds(fd, mine, passed);
@@ -95,8 +107,18 @@ task<result<std::shared_ptr<tp::conn_state>>> handshake(tcp_socket& sock, std::s
     x->service_fd = std::exchange(got_fds.fds[1], -1);
   }
 
+  // Rings if both want them: the connector's memfd, mapped by both.
+  std::unique_ptr<tp::byte_pipe> rings;
+  if (h.rings && peer->rings) {
+    auto r = map_rings(me == local_wire::role::connector ? ring_fd.fds[0] : got_fds.fds[2],
+                       me == local_wire::role::connector, fd);
+    if (!r) co_return r.error();
+    rings = std::move(*r);
+  }
+
   auto s = co_await tp::handshake(sock, dom->engine, opts);
   if (!s) co_return s.error();
+  (*s)->pipe = std::move(rings);
   (*s)->ext = std::move(x);
   co_return std::move(*s);
 }

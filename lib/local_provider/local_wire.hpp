@@ -28,7 +28,7 @@ using local_provider::gpu_handle;
 using local_provider::gpu_handle_size;
 
 inline constexpr std::uint32_t hello_magic = 0x4F4C4853;  // "SHLO" little-endian
-inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::uint16_t protocol_version = 2;  // 2: the rings' flag and memfd
 inline constexpr std::size_t hello_size = 16;
 // Words in a key table: zero-copy registrations a domain holds at once (past
 // it, a registration is accessed through the socket only).
@@ -41,8 +41,12 @@ struct hello {
   std::uint16_t version = protocol_version;
   role from = role::connector;
   std::uint32_t slots = key_slots;
-  // Descriptors that come with it: the key table, and from the connector the service channel.
-  std::size_t fds() const noexcept { return from == role::connector ? 2 : 1; }
+  // Frames go through shared-memory rings (ring.hpp) if both hellos say so;
+  // the connector's then carries the rings' memfd.
+  bool rings = false;
+  // Descriptors that come with it: the key table, and from the connector
+  // the service channel (and the rings' memfd).
+  std::size_t fds() const noexcept { return from == role::connector ? 2 + rings : 1; }
 };
 void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept;
 // not_a_shuttle_peer on a bad magic, wire_version_mismatch on another

@@ -11,5 +11,9 @@ std::uint64_t local_direct_accesses() noexcept;
 // Writes and reads the calling thread's local-provider connections did as
 // a copy on the GPU (GPU memory on either side; device.cpp).
 std::uint64_t local_gpu_copies() noexcept;
+// Connections the calling thread mapped shared-memory rings for (ring.hpp),
+// and the bytes its connections published into them.
+std::uint64_t local_ring_pipes() noexcept;
+std::uint64_t local_ring_bytes() noexcept;
 
 }  // namespace shuttle::detail

@@ -138,8 +138,10 @@ void conn_state::start() {
     encode_header(a, f.hdr);
     outq.push_back(std::move(f));
   }
+  if (pipe) ++loops;  // the socket's doorbells: a third loop, which finish() waits for too
   spawn_in(tasks, reader_loop(shared_from_this()), stop.get_token());
   spawn_in(tasks, writer_loop(shared_from_this()), stop.get_token());
+  if (pipe) spawn_in(tasks, bell_loop(shared_from_this()), stop.get_token());
 }
 
 }  // namespace shuttle::detail::tcp_provider

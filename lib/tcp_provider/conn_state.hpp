@@ -28,6 +28,7 @@
 #pragma once
 
 #include "domain_state.hpp"
+#include "pipe.hpp"
 #include "wire.hpp"
 
 #include <shuttle/channel.hpp>
@@ -208,7 +209,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // State (change it through the transitions only).
   phase state() const noexcept { return state_; }
   std::error_code error{};  // the first error: what pending/later operations fail with; set once not open
-  int loops = 2;            // running: the reader and the writer
+  int loops = 2;            // running: the reader and the writer (and a pipe's bell loop)
   event finished_ev;        // set on entering phase::finished
   std::stop_source stop;
   task_group tasks;                    // the reader, the writer, the idle watch
@@ -217,6 +218,9 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // A provider built on this engine (lib/local_provider): its own state of
   // the connection, from its handshake to its connection object.
   std::shared_ptr<void> ext;
+  // Where the frames go in place of the socket, if set before start()
+  // (pipe.hpp); the socket then carries doorbells and the hang-up only.
+  std::unique_ptr<byte_pipe> pipe;
 
   // The slot's receive buffer, allocated on first use, uninitialized (the
   // payload is read into it); throws std::bad_alloc when memory is out.
@@ -367,6 +371,13 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // be free for the read-ahead's iovec. True once `v` is full.
   result<bool> take_now_v(std::span<iovec>& v);
   static task<void> reader_loop(std::shared_ptr<conn_state> s);
+  // Over a pipe (pipe.cpp): the waits the socket's awaits are otherwise,
+  // and the loop that reads the socket's doorbells and its end.
+  task<result<void>> pipe_wait(bool reading);
+  task<result<void>> pipe_read_exact(std::span<std::byte> buf);
+  task<result<void>> pipe_write_all(std::span<iovec> v);
+  static task<void> bell_loop(std::shared_ptr<conn_state> s);
+  std::error_code pipe_error(std::error_code ec) const noexcept { return pipe && pipe->fault ? pipe->fault : ec; }
 
   // Writer (writer.cpp).
   static task<void> writer_loop(std::shared_ptr<conn_state> s);

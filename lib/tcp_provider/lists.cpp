@@ -19,6 +19,10 @@ task<bool> conn_state::scatter_in(std::span<iovec> v) {
     auto full = take_now_v(v);
     if (!full) co_return false;
     if (*full) co_return true;
+    if (pipe) {  // take_now_v took what the ring had
+      if (!co_await pipe_wait(true)) co_return false;
+      continue;
+    }
     auto r = co_await sock.readv(v);
     if (!r || *r == 0) co_return false;  // an error, or EOF mid-payload
     consume_iov(v, *r);
@@ -49,7 +53,7 @@ task<conn_state::action> conn_state::take_list(header h) {
   auto got = take_now(table);
   if (!got) co_return action::io;
   if (*got < table.size()) {
-    auto r = co_await sock.read_exact(table.subspan(*got));
+    auto r = pipe ? co_await pipe_read_exact(table.subspan(*got)) : co_await sock.read_exact(table.subspan(*got));
     if (!r) co_return action::io;
   }
   if (!decode_list_table(h, table, std::span(list_entries.get(), n))) co_return action::protocol;

@@ -181,6 +181,7 @@ result<std::size_t> conn_state::recv_now(std::span<std::byte> buf) {
 // what was read ahead first, then from the socket together with what
 // follows it (one recvmsg, two iovecs).
 result<std::size_t> conn_state::take_now(std::span<std::byte> buf) {
+  if (pipe) [[unlikely]] return pipe->read_now(buf);  // no read-ahead: the ring is one already
   std::size_t got = std::min(buf.size(), ahead_end - ahead_begin);
   if (got) {
     std::memcpy(buf.data(), ahead.get() + ahead_begin, got);
@@ -220,6 +221,15 @@ result<std::size_t> conn_state::take_now(std::span<std::byte> buf) {
 
 
 result<bool> conn_state::take_now_v(std::span<iovec>& v) {
+  if (pipe) [[unlikely]] {
+    while (!v.empty()) {
+      auto n = pipe->read_now(std::span(static_cast<std::byte*>(v.front().iov_base), v.front().iov_len));
+      if (!n) return n.error();
+      if (*n == 0) return false;
+      consume_iov(v, *n);
+    }
+    return true;
+  }
   while (!v.empty() && ahead_begin < ahead_end) {
     const std::size_t k = std::min(v.front().iov_len, ahead_end - ahead_begin);
     std::memcpy(v.front().iov_base, ahead.get() + ahead_begin, k);
@@ -263,7 +273,8 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
     auto got = s->take_now(hb);
     if (!got) break;
     if (*got < header_size) {
-      auto r = co_await s->sock.read_exact(std::span(hb).subspan(*got));
+      auto rest = std::span(hb).subspan(*got);
+      auto r = s->pipe ? co_await s->pipe_read_exact(rest) : co_await s->sock.read_exact(rest);
       if (!r) break;
       frames = 0;  // resumed by the loop: a new turn
     }
@@ -300,7 +311,8 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
       auto n = s->take_now(dst);
       if (!n) break;
       if (*n < dst.size()) {
-        auto r = co_await s->sock.read_exact(dst.subspan(*n));
+        auto rest = dst.subspan(*n);
+        auto r = s->pipe ? co_await s->pipe_read_exact(rest) : co_await s->sock.read_exact(rest);
         if (!r) break;
         frames = 0;
       }
@@ -326,6 +338,12 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
       for (;;) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->refuse_deadline - clock::now());
         if (left.count() <= 0) break;
+        if (s->pipe) {  // the ring's bytes are discarded likewise, until the peer's hang-up
+          auto n = s->pipe->read_now(scratch);
+          if (!n) break;
+          if (*n == 0 && !co_await with_timeout(s->pipe_wait(true), left)) break;
+          continue;
+        }
         auto n = co_await with_timeout(s->sock.read_some(scratch), left);
         if (!n || *n == 0) break;
       }
@@ -333,7 +351,7 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
     break;
   }
   s->cur_use = {};  // a payload cut short: nothing writes through the grant any more
-  s->enter_error(ec);
+  s->enter_error(s->pipe_error(ec));
   s->loop_exited();
 }
 

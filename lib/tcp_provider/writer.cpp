@@ -85,7 +85,19 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
       iov.push_back({credh.data(), header_size});
     }
     result<void> r;
-    if (s->state() != phase::refusing) {
+    if (s->pipe) [[unlikely]] {  // what fits is copied into the ring at once; the rest waits for room
+      std::span<iovec> v(iov);
+      r = s->pipe->write_now(v);
+      if (r && !v.empty()) {
+        if (s->state() != phase::refusing) {
+          r = co_await s->pipe_write_all(v);
+        } else {
+          auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->refuse_deadline - clock::now());
+          r = left.count() > 0 ? co_await with_timeout(s->pipe_write_all(v), left) : err(errc::disconnected);
+          if (!r) s->abort_io();
+        }
+      }
+    } else if (s->state() != phase::refusing) {
       r = co_await s->sock.writev_all(iov);
     } else {  // a peer that does not read gets until the linger time is up
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->refuse_deadline - clock::now());
@@ -94,7 +106,7 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
     }
     batch.clear();
     if (!r) {
-      s->enter_error(err(errc::disconnected));
+      s->enter_error(s->pipe_error(err(errc::disconnected)));
       break;
     }
   }

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The local provider against UCX's shared-memory transports (issue 30's
+# targets: >= 1.0x UCX's bandwidth, <= 1.0x its latency), both as two
+# processes on this host, in one run:
+#   ucx_perftest -t ucp_put_bw  (1 MiB)  vs local_bench --peer: write_bw 1 MiB into a shared region
+#   ucx_perftest -t ucp_put_lat (8 B)    vs write_lat 8 B
+#   ucx_perftest -t ucp_am_lat  (8 B)    vs send/recv 8 B (half a round trip, as ucx_perftest reports)
+#   (and ucp_tag_lat, printed for reference)
+# UCX_TLS=sm,self. A benchmark script only: it may install ucx-utils
+# (apt-get), never run in CI or the tests.
+# Usage: bench/local/ucx_compare.sh [build dir, default build-rel] [seconds per local figure, default 1]
+set -euo pipefail
+build=${1:-build-rel}
+secs=${2:-1}
+bench="$build/bench/local/local_bench"
+[[ -x $bench ]] || { echo "no $bench: build it first (meson -Dbench=true)" >&2; exit 1; }
+if ! command -v ucx_perftest >/dev/null; then
+  echo "installing ucx-utils (for ucx_perftest)" >&2
+  apt-get install -y ucx-utils >/dev/null
+fi
+export UCX_TLS=sm,self
+port=$((20000 + RANDOM % 20000))
+
+# One ucx_perftest pair; prints the "Final:" line's fields: latency (us,
+# average) and bandwidth (MB/s, average), counted from the end (older
+# versions have no percentile column).
+ucx() {
+  local test=$1 size=$2 iters=$3 port=$4
+  ucx_perftest -p "$port" >/dev/null 2>&1 &
+  local srv=$!
+  sleep 0.5
+  local line
+  line=$(ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s "$size" -n "$iters" 2>/dev/null | grep '^Final:' || true)
+  kill "$srv" 2>/dev/null || true  # a server whose client failed would wait for ever
+  wait "$srv" 2>/dev/null || true
+  [[ -n $line ]] || { echo "nan nan"; return; }
+  awk '{print $(NF-5), $(NF-3)}' <<<"$line"
+}
+
+read -r _ ucx_bw < <(ucx ucp_put_bw $((1 << 20)) 2000 "$port")
+read -r ucx_put_lat _ < <(ucx ucp_put_lat 8 200000 $((port + 1)))
+read -r ucx_am_lat _ < <(ucx ucp_am_lat 8 200000 $((port + 2)))
+read -r ucx_tag_lat _ < <(ucx ucp_tag_lat 8 200000 $((port + 3)))
+
+declare -A ours
+while read -r k v; do ours[$k]=$v; done < <("$bench" --peer "$secs")
+declare -A sock
+while read -r k v; do sock[$k]=$v; done < <(SHUTTLE_LOCAL_RINGS=0 "$bench" --peer "$secs")
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 == 0) print "nan"; else printf "%.2f", a / b }'; }
+echo "date: $(date -u +%F) host: $(nproc) cores; UCX $(ucx_info -v 2>/dev/null | head -1 | sed 's/^# *//')"
+printf '%-34s %12s %12s %8s %s\n' "" "shuttle" "UCX sm" "ratio" "target"
+printf '%-34s %12s %12s %8s %s\n' "put/write bw 1 MiB (MB/s)" "${ours[write_bw_1MiB_MBps]}" "$ucx_bw" \
+  "$(ratio "${ours[write_bw_1MiB_MBps]}" "$ucx_bw")" ">= 1.0"
+printf '%-34s %12s %12s %8s %s\n' "put/write lat 8 B (us)" "${ours[write_lat_8B_us]}" "$ucx_put_lat" \
+  "$(ratio "${ours[write_lat_8B_us]}" "$ucx_put_lat")" "<= 1.0"
+printf '%-34s %12s %12s %8s %s\n' "send lat 8 B, rings (us)" "${ours[send_lat_8B_us]}" "$ucx_am_lat" \
+  "$(ratio "${ours[send_lat_8B_us]}" "$ucx_am_lat")" "<= 1.0 (vs ucp_am_lat)"
+printf '%-34s %12s %12s %8s %s\n' "send lat 8 B, socket path (us)" "${sock[send_lat_8B_us]}" "$ucx_am_lat" \
+  "$(ratio "${sock[send_lat_8B_us]}" "$ucx_am_lat")" "(SHUTTLE_LOCAL_RINGS=0)"
+printf '%-34s %12s %12s\n' "ucp_tag_lat 8 B (us)" "" "$ucx_tag_lat"

@@ -1,0 +1,403 @@
+// The local provider's shared-memory rings (lib/local_provider/ring.hpp):
+// messages and one-sided transfers larger than a ring (split across its
+// wrap-around), many messages in flight both ways, a peer killed with
+// operations pending, and hostile peers that corrupt the ring indices or
+// fill a ring with garbage (their connection fails with protocol_error, a
+// good connection on the same listener carries on). The provider-neutral
+// cases run over the rings in conformance-local.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include "common.hpp"
+#include "local_wire.hpp"
+#include "ring.hpp"
+#include "stats.hpp"
+#include "wire.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+using namespace shuttle;
+using namespace transport_test;
+using namespace std::chrono_literals;
+namespace lp = shuttle::detail::local_provider;
+
+namespace {
+
+domain_options local_options() {
+  domain_options o;
+  o.kind = transport_kind::local;
+  return o;
+}
+
+struct lpair {
+  std::optional<domain> sd, cd;
+  listener l;
+  connection server, client;
+};
+
+task<void> make_lpair(lpair& p, connection_options o = {}) {
+  p.sd.emplace(domain::open(local_options()).value());
+  p.cd.emplace(domain::open(local_options()).value());
+  p.l = p.sd->listen(endpoint::loopback(0), o).value();
+  auto [s, c] = co_await when_all(accept_within_limit(p.l),
+                                  p.cd->connect(endpoint::loopback(p.l.local_endpoint()->port()), o));
+  p.server = std::move(s).value();
+  p.client = std::move(c).value();
+}
+
+task<void> close_lpair(lpair& p) {
+  (void)co_await p.client.close();
+  (void)co_await p.server.close();
+  p.l.close();
+}
+
+task<bool> exchange(connection& from, connection& to, std::span<const std::byte> msg) {
+  auto [s, r] = co_await when_all(from.send(msg), to.recv());
+  co_return s.has_value() && r.has_value() && same(r->data(), msg);
+}
+
+}  // namespace
+
+TEST_CASE("rings: messages and transfers larger than a ring, across its wrap-around") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    const auto pipes = detail::local_ring_pipes();
+    connection_options o;
+    o.receive_buffer_size = 4 << 20;
+    o.receive_buffers = 2;
+    lpair p;
+    co_await make_lpair(p, o);
+    CHECK(detail::local_ring_pipes() - pipes == 2);  // both ends of this one connection
+    const auto bytes = detail::local_ring_bytes();
+    // Sizes that leave the ring's indices at odd places, then wrap it.
+    for (std::size_t n : {std::size_t(1), std::size_t(3 * lp::ring_capacity + 12345), std::size_t(777),
+                          std::size_t(4 << 20)}) {
+      CAPTURE(n);
+      auto a = pattern(n, static_cast<unsigned>(n));
+      CHECK(co_await exchange(p.client, p.server, a));
+      auto b = pattern(n, static_cast<unsigned>(n + 1));
+      CHECK(co_await exchange(p.server, p.client, b));
+    }
+    // One-sided, on memory that is not shared: through the rings too.
+    std::vector<std::byte> target(5 << 20);
+    auto mr = p.sd->register_memory(target, access::all).value();
+    const std::size_t n = target.size() - 7;
+    auto data = pattern(n, 9);
+    REQUIRE((co_await p.client.write(data, mr.remote().slice(3, n).value())).has_value());
+    CHECK(std::memcmp(target.data() + 3, data.data(), n) == 0);
+    std::vector<std::byte> back(n);
+    REQUIRE((co_await p.client.read(back, mr.remote().slice(3, n).value())).has_value());
+    CHECK(back == data);
+    CHECK(detail::local_ring_bytes() - bytes > 2 * (4 << 20) + 2 * n);  // the frames went there, not the socket
+    co_await close_lpair(p);
+  }());
+}
+
+namespace {
+
+// Message i: its index, then pattern(size - 8, i); sizes vary from 8 bytes to 64 KiB.
+std::size_t size_of(std::uint64_t i) { return 8 + (i * 7919) % (64 << 10); }
+std::vector<std::byte> message_for(std::uint64_t i) {
+  auto v = pattern(size_of(i), static_cast<unsigned>(i));
+  std::memcpy(v.data(), &i, 8);
+  return v;
+}
+
+constexpr std::uint64_t per_sender = 400, senders = 4;
+
+// Sender k sends k, k + senders, ...: its messages arrive in its order.
+task<bool> send_all(connection& c, std::uint64_t k) {
+  for (std::uint64_t i = k; i < per_sender * senders; i += senders)
+    if (!(co_await c.send(message_for(i)))) co_return false;
+  co_return true;
+}
+
+task<bool> recv_all(connection& c) {
+  std::vector<std::uint64_t> next(senders);
+  for (std::uint64_t k = 0; k < senders; ++k) next[k] = k;
+  for (std::uint64_t got = 0; got < per_sender * senders; ++got) {
+    auto m = co_await c.recv();
+    if (!m || m->size() < 8) co_return false;
+    std::uint64_t i = 0;
+    std::memcpy(&i, m->data().data(), 8);
+    if (i >= per_sender * senders || i != next[i % senders] || !same(m->data(), message_for(i))) co_return false;
+    next[i % senders] += senders;
+  }
+  co_return true;
+}
+
+}  // namespace
+
+TEST_CASE("rings: many messages in flight both ways, every byte and the order verified") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options o;
+    o.receive_buffers = 64;
+    o.receive_buffer_size = 64 << 10;
+    lpair p;
+    co_await make_lpair(p, o);
+    std::vector<task<bool>> all;
+    for (std::uint64_t k = 0; k < senders; ++k) {
+      all.push_back(send_all(p.client, k));
+      all.push_back(send_all(p.server, k));
+    }
+    all.push_back(recv_all(p.server));
+    all.push_back(recv_all(p.client));
+    auto ok = co_await when_all(std::move(all));
+    for (bool b : ok) CHECK(b);
+    CHECK(p.client.is_open());
+    co_await close_lpair(p);
+  }());
+}
+
+namespace {
+// The killed peer: memory that is not shared (so every access goes through
+// the rings), its descriptor sent, then it reads nothing and sleeps.
+[[noreturn]] void ring_peer(std::uint16_t port) {
+  try {
+    io_context cctx;
+    cctx.run([](std::uint16_t port) -> task<void> {
+      auto d = domain::open(local_options()).value();
+      std::vector<std::byte> mem(16 << 20);
+      auto mr = d.register_memory(mem, access::all).value();
+      auto c = (co_await d.connect(endpoint::loopback(port))).value();
+      std::array<std::byte, remote_buffer::wire_size> wire{};
+      mr.remote().serialize(wire);
+      (void)co_await c.send(wire);
+      (void)co_await sleep_for(std::chrono::hours(1));
+    }(port));
+  } catch (...) {
+  }
+  ::_exit(0);
+}
+}  // namespace
+
+TEST_CASE("rings: a peer killed with operations pending; every one fails with disconnected") {
+  int pipefd[2];
+  REQUIRE(::pipe(pipefd) == 0);
+  pid_t child = ::fork();  // before this thread has an io_context
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(pipefd[1]);
+    std::uint16_t port = 0;
+    if (::read(pipefd[0], &port, sizeof port) != sizeof port) ::_exit(0);
+    ring_peer(port);
+  }
+  ::close(pipefd[0]);
+  io_context ctx;
+  auto d = domain::open(local_options()).value();
+  auto l = d.listen(endpoint::loopback(0)).value();
+  const auto port = l.local_endpoint()->port();
+  REQUIRE(::write(pipefd[1], &port, sizeof port) == sizeof port);
+  ::close(pipefd[1]);
+  std::vector<std::error_code> errors;
+  ctx.run([](listener& l, pid_t child, std::vector<std::error_code>& errors) -> task<void> {
+    auto c = (co_await accept_within_limit(l)).value();
+    auto m = (co_await c.recv()).value();
+    REQUIRE(m.size() == remote_buffer::wire_size);
+    auto rb = remote_buffer::deserialize(m.data().first<remote_buffer::wire_size>());
+    m.reset();
+    // Transfers of 1 MiB (four rings' worth) and sends the peer never takes
+    // (past its receive buffers they wait for credits), until each fails.
+    auto loop = [](connection& c, remote_buffer rb, int kind, std::error_code& out) -> task<void> {
+      std::vector<std::byte> local(1 << 20);
+      for (std::uint64_t i = 0;; ++i) {
+        auto slice = rb.slice((i % 16) * local.size(), local.size()).value();
+        auto r = kind == 0 ? co_await c.write(local, slice)
+                 : kind == 1 ? co_await c.read(local, slice)
+                             : co_await c.send(std::span(local).first(1000));
+        if (!r) {
+          out = r.error();
+          co_return;
+        }
+      }
+    };
+    auto receive = [](connection& c, std::error_code& out) -> task<void> {
+      auto r = co_await c.recv();  // the peer sends nothing more
+      out = r ? std::error_code{} : r.error();
+    };
+    errors.resize(9);
+    std::vector<task<void>> all;
+    for (int i = 0; i < 8; ++i) all.push_back(loop(c, rb, i % 3, errors[static_cast<std::size_t>(i)]));
+    all.push_back(receive(c, errors[8]));
+    std::thread killer([child] {
+      std::this_thread::sleep_for(50ms);
+      ::kill(child, SIGKILL);
+    });
+    auto t = co_await with_timeout(when_all(std::move(all)), 60s);
+    killer.join();
+    CHECK(t.has_value());  // ended by the failures, not the deadline
+    CHECK_FALSE(c.is_open());
+    l.close();
+  }(l, child, errors));
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  CHECK(WIFSIGNALED(status));
+  REQUIRE(errors.size() == 9);
+  for (auto& ec : errors) CHECK(ec == make_error_code(errc::disconnected));
+}
+
+namespace {
+
+void send_fds(int fd, std::span<const std::byte> bytes, std::vector<int> fds) {
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)]{};
+  iovec iov{const_cast<std::byte*>(bytes.data()), bytes.size()};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = ctl;
+  m.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+  cmsghdr* c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  (void)::sendmsg(fd, &m, MSG_NOSIGNAL);
+}
+
+bool read_exact(int fd, std::span<std::byte> b) {
+  for (std::size_t got = 0; got < b.size();) {
+    ssize_t n = ::recv(fd, b.data() + got, b.size() - got, 0);
+    if (n <= 0) return false;
+    got += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+int sealed_memfd(std::size_t size) {
+  int fd = ::memfd_create("raw", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  (void)::ftruncate(fd, static_cast<off_t>(size));
+  (void)::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  return fd;
+}
+
+// A raw connector that asks for rings: both hellos, then the rings mapped
+// here (ring 0 is ours to produce into, ring 1 the server's).
+struct raw_peer {
+  int fd = -1, service = -1;
+  std::byte* rings = nullptr;
+  bool connect(std::uint16_t port) {
+    namespace lw = detail::local_wire;
+    auto name = endpoint::unix_socket("@shuttle-local:" + std::to_string(port)).value();
+    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || ::connect(fd, name.data(), name.size()) != 0) return false;
+    int keys = sealed_memfd(lw::key_table_bytes), ring = sealed_memfd(lp::ring_bytes);
+    int pair[2];
+    if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) != 0) return false;
+    service = pair[0];
+    lw::hello h;
+    h.rings = true;
+    std::array<std::byte, lw::hello_size> hb{};
+    lw::encode_hello(h, hb);
+    send_fds(fd, hb, {keys, pair[1], ring});
+    std::array<std::byte, tcp_wire::hello_size> eh{};
+    tcp_wire::hello th;
+    th.receive_buffers = 4;
+    th.receive_buffer_size = 1024;
+    tcp_wire::encode_hello(th, eh);
+    (void)::send(fd, eh.data(), eh.size(), MSG_NOSIGNAL);
+    void* p = ::mmap(nullptr, lp::ring_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, ring, 0);
+    for (int f : {keys, pair[1], ring}) ::close(f);
+    std::array<std::byte, lw::hello_size + tcp_wire::hello_size> theirs{};
+    if (p == MAP_FAILED || !read_exact(fd, theirs)) return false;
+    rings = static_cast<std::byte*>(p);
+    return true;
+  }
+  std::atomic_ref<std::uint64_t> word(int ring, std::size_t off) const {
+    return std::atomic_ref<std::uint64_t>(
+        *reinterpret_cast<std::uint64_t*>(rings + static_cast<std::size_t>(ring) * (lp::ring_ctl + lp::ring_capacity) + off));
+  }
+  void bell() const { (void)::send(fd, "\1", 1, MSG_NOSIGNAL); }
+  ~raw_peer() {
+    if (rings) ::munmap(rings, lp::ring_bytes);
+    if (service >= 0) ::close(service);
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Waits (bounded) until the server has taken `n` bytes of ring 0.
+bool taken(const raw_peer& r, std::uint64_t n) {
+  for (int i = 0; i < 10000 && r.word(0, lp::ring_head).load() != n; ++i) std::this_thread::sleep_for(1ms);
+  return r.word(0, lp::ring_head).load() == n;
+}
+
+}  // namespace
+
+TEST_CASE("rings: a hostile peer's bad indices or garbage fail its connection only (protocol_error)") {
+  using attack = std::function<void(raw_peer&)>;
+  struct entry {
+    const char* what;
+    bool server_sends;  // the bad index is the one the server's writer reads
+    attack body;
+  };
+  std::vector<entry> attacks = {
+      {"a tail past the capacity", false,
+       [](raw_peer& r) { r.word(0, lp::ring_tail).store(lp::ring_capacity + 64); }},
+      {"a tail that goes backwards", false,
+       [](raw_peer& r) {
+         r.word(0, lp::ring_tail).store(8);  // part of a header: the server takes it and waits
+         r.bell();
+         REQUIRE(taken(r, 8));
+         r.word(0, lp::ring_tail).store(4);
+       }},
+      {"garbage frames", false,
+       [](raw_peer& r) {
+         auto junk = pattern(4096, 3);
+         std::memcpy(r.rings + lp::ring_ctl, junk.data(), junk.size());
+         r.word(0, lp::ring_tail).store(junk.size());
+       }},
+      {"a head past what the server published", true,
+       [](raw_peer& r) { r.word(1, lp::ring_head).store(std::uint64_t(1) << 40); }},
+  };
+  for (auto& e : attacks) {
+    const std::string what = e.what;
+    CAPTURE(what);
+    io_context ctx;
+    auto sd = domain::open(local_options()).value();
+    auto cd = domain::open(local_options()).value();
+    auto l = sd.listen(endpoint::loopback(0)).value();
+    const auto port = l.local_endpoint()->port();
+    std::atomic<bool> attacked{false};
+    ctx.run([](domain& cd, listener& l, std::uint16_t port, std::atomic<bool>& attacked, const entry& e) -> task<void> {
+      // A good connection first, on the same listener.
+      auto [gs, gc] = co_await when_all(accept_within_limit(l), cd.connect(endpoint::loopback(port)));
+      REQUIRE(gs.has_value());
+      REQUIRE(gc.has_value());
+      std::thread t([&, port] {
+        raw_peer r;
+        REQUIRE(r.connect(port));
+        e.body(r);
+        r.bell();
+        attacked = true;
+        std::byte b[64];
+        while (::recv(r.fd, b, sizeof b, 0) > 0) {}  // until the server fails the connection
+      });
+      auto bad = (co_await accept_within_limit(l)).value();
+      for (int i = 0; i < 10000 && !attacked; ++i) (void)co_await sleep_for(1ms);
+      // The server's writer reads the bad head when it writes (its first
+      // frame may come after the attack): the send fails, with
+      // protocol_error or, if the connection failed before it, disconnected.
+      if (e.server_sends) CHECK_FALSE((co_await with_timeout(bad.send(pattern(10, 1)), 30s)).has_value());
+      auto m = co_await with_timeout(bad.recv(), 30s);  // the first error: why the connection failed
+      REQUIRE_FALSE(m.has_value());
+      CHECK(m.error() == make_error_code(errc::protocol_error));
+      CHECK_FALSE(bad.is_open());
+      bad = connection();  // closes our end: the raw peer's drain ends
+      t.join();
+      CHECK(co_await exchange(*gc, *gs, pattern(60000, 2)));
+      CHECK(co_await exchange(*gs, *gc, pattern(65536, 3)));
+      (void)co_await gc->close();
+      (void)co_await gs->close();
+    }(cd, l, port, attacked, e));
+  }
+}
