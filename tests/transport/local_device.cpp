@@ -10,7 +10,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
-#include "common.hpp"
+#include "local_common.hpp"
 #include "device_hooks.hpp"
 #include "local_wire.hpp"
 #include "stats.hpp"
@@ -150,34 +150,6 @@ struct hooks_guard {
   const lp::device_hooks* before = lp::set_device_hooks(&fake_hooks);
   ~hooks_guard() { lp::set_device_hooks(before); }
 };
-
-domain_options local_options() {
-  domain_options o;
-  o.kind = transport_kind::local;
-  return o;
-}
-
-struct lpair {
-  std::optional<domain> sd, cd;
-  listener l;
-  connection server, client;
-};
-
-task<void> make_lpair(lpair& p) {
-  p.sd.emplace(domain::open(local_options()).value());
-  p.cd.emplace(domain::open(local_options()).value());
-  p.l = p.sd->listen(endpoint::loopback(0)).value();
-  auto [s, c] = co_await when_all(accept_within_limit(p.l),
-                                  p.cd->connect(endpoint::loopback(p.l.local_endpoint()->port())));
-  p.server = std::move(s).value();
-  p.client = std::move(c).value();
-}
-
-task<void> close_lpair(lpair& p) {
-  (void)co_await p.client.close();
-  (void)co_await p.server.close();
-  p.l.close();
-}
 
 }  // namespace
 

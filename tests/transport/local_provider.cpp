@@ -7,7 +7,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
-#include "common.hpp"
+#include "local_common.hpp"
 #include "local_wire.hpp"
 #include "stats.hpp"
 #include "wire.hpp"
@@ -35,34 +35,6 @@ namespace {
 
 constexpr auto deadline = 30s;  // a wait of these tests; a hang fails here
 using clock = std::chrono::steady_clock;
-
-domain_options local_options() {
-  domain_options o;
-  o.kind = transport_kind::local;
-  return o;
-}
-
-struct lpair {
-  std::optional<domain> sd, cd;
-  listener l;
-  connection server, client;
-};
-
-task<void> make_lpair(lpair& p, listener_options limits = {}) {
-  p.sd.emplace(domain::open(local_options()).value());
-  p.cd.emplace(domain::open(local_options()).value());
-  p.l = p.sd->listen(endpoint::loopback(0), {}, std::move(limits)).value();
-  auto [s, c] = co_await when_all(accept_within_limit(p.l),
-                                  p.cd->connect(endpoint::loopback(p.l.local_endpoint()->port())));
-  p.server = std::move(s).value();
-  p.client = std::move(c).value();
-}
-
-task<void> close_lpair(lpair& p) {
-  (void)co_await p.client.close();
-  (void)co_await p.server.close();
-  p.l.close();
-}
 
 std::uint64_t direct_count() { return detail::local_direct_accesses(); }
 
@@ -322,33 +294,6 @@ int raw_connect(std::uint16_t port) {
     return -1;
   }
   return fd;
-}
-
-void send_fds(int fd, std::span<const std::byte> bytes, std::vector<int> fds) {
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)]{};
-  iovec iov{const_cast<std::byte*>(bytes.data()), bytes.size()};
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  if (!fds.empty()) {
-    m.msg_control = ctl;
-    m.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-    cmsghdr* c = CMSG_FIRSTHDR(&m);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-  }
-  (void)::sendmsg(fd, &m, MSG_NOSIGNAL);
-}
-
-bool read_exact(int fd, std::span<std::byte> b) {
-  for (std::size_t got = 0; got < b.size();) {
-    ssize_t n = ::recv(fd, b.data() + got, b.size() - got, 0);
-    if (n <= 0) return false;
-    got += static_cast<std::size_t>(n);
-  }
-  return true;
 }
 
 // Reads until the server closes: what a refused peer sees.
@@ -625,8 +570,8 @@ TEST_CASE("idle_timeout: a silent connection fails with errc::idle_timeout, a bu
     listener_options lim;
     lim.idle_timeout = 2s;
     lpair idle, busy;
-    co_await make_lpair(idle, lim);
-    co_await make_lpair(busy, lim);
+    co_await make_lpair(idle, {}, lim);
+    co_await make_lpair(busy, {}, lim);
     auto keep_busy = [&]() -> task<void> {
       std::array<std::byte, 8> b{};
       auto until = clock::now() + 3s;

@@ -8,7 +8,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
-#include "common.hpp"
+#include "local_common.hpp"
 #include "local_wire.hpp"
 #include "ring.hpp"
 #include "stats.hpp"
@@ -32,34 +32,6 @@ using namespace std::chrono_literals;
 namespace lp = shuttle::detail::local_provider;
 
 namespace {
-
-domain_options local_options() {
-  domain_options o;
-  o.kind = transport_kind::local;
-  return o;
-}
-
-struct lpair {
-  std::optional<domain> sd, cd;
-  listener l;
-  connection server, client;
-};
-
-task<void> make_lpair(lpair& p, connection_options o = {}) {
-  p.sd.emplace(domain::open(local_options()).value());
-  p.cd.emplace(domain::open(local_options()).value());
-  p.l = p.sd->listen(endpoint::loopback(0), o).value();
-  auto [s, c] = co_await when_all(accept_within_limit(p.l),
-                                  p.cd->connect(endpoint::loopback(p.l.local_endpoint()->port()), o));
-  p.server = std::move(s).value();
-  p.client = std::move(c).value();
-}
-
-task<void> close_lpair(lpair& p) {
-  (void)co_await p.client.close();
-  (void)co_await p.server.close();
-  p.l.close();
-}
 
 task<bool> exchange(connection& from, connection& to, std::span<const std::byte> msg) {
   auto [s, r] = co_await when_all(from.send(msg), to.recv());
@@ -248,31 +220,6 @@ TEST_CASE("rings: a peer killed with operations pending; every one fails with di
 }
 
 namespace {
-
-void send_fds(int fd, std::span<const std::byte> bytes, std::vector<int> fds) {
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)]{};
-  iovec iov{const_cast<std::byte*>(bytes.data()), bytes.size()};
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = ctl;
-  m.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-  cmsghdr* c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-  (void)::sendmsg(fd, &m, MSG_NOSIGNAL);
-}
-
-bool read_exact(int fd, std::span<std::byte> b) {
-  for (std::size_t got = 0; got < b.size();) {
-    ssize_t n = ::recv(fd, b.data() + got, b.size() - got, 0);
-    if (n <= 0) return false;
-    got += static_cast<std::size_t>(n);
-  }
-  return true;
-}
 
 int sealed_memfd(std::size_t size) {
   int fd = ::memfd_create("raw", MFD_CLOEXEC | MFD_ALLOW_SEALING);
