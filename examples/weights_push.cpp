@@ -4,10 +4,11 @@
 //   disk --read_into--> GPU (sender) --staged channel, tcp provider--> GPU (receiver)
 //
 // The file is read in pieces (`--piece-mib`, each one read_into with its
-// chunks in flight) by two readers taking turns; each piece goes on the wire (one
-// staged transfer, its chunks checksummed on the sender's GPU by the
-// producer) as soon as it has landed, while the next ones are read. The receiver checksums every chunk on its GPU after the chunk's
-// copy; every chunk's two checksums are compared, and against the file's
+// chunks in flight) by one reader, or two taking turns (--readers 2); each
+// piece goes on the wire (one staged transfer, its chunks checksummed on
+// the sender's GPU by the producer) as soon as it has landed, while the
+// next ones are read. The receiver checksums every chunk on its GPU after
+// the chunk's copy; every chunk's two checksums are compared, and against the file's
 // known pattern when the file is the example's own. Then the two bounds are
 // measured alone (the file read into the GPU cold, the transfer of GPU
 // memory already loaded) and the pipelined run is reported against
@@ -21,7 +22,7 @@
 // read's own copies once enough streams exist -- so the flag was never set
 // (the run hung on the H100, 2026-12-05).
 //
-//   shuttle-weights-push [FILE] [--mib 2048] [--piece-mib 32] [--chunk-kib 2048] [--rounds 1]
+//   shuttle-weights-push [FILE] [--mib 2048] [--piece-mib 32] [--chunk-kib 2048] [--rounds 1] [--readers 1]
 //
 // --rounds N repeats the three runs N times, their order rotating, and
 // reports each round's ratio and the median: a disk's speed can move by 2x
@@ -93,15 +94,18 @@ void drop_cache(const std::string& path) {
 
 int main(int argc, char** argv) {
   std::string path = "weights_push.dat";
-  std::size_t mib = 2048, piece_mib = 32, chunk_kib = 2048, rounds = 1;
+  std::size_t mib = 2048, piece_mib = 32, chunk_kib = 2048, rounds = 1, readers = 1;
   CLI::App app{"Reads a file into GPU memory and pushes it to a peer over the tcp provider while the rest is read; "
                "checksums verified per chunk.",
                "shuttle-weights-push"};
-  cli::setup(app, "usage: shuttle-weights-push [FILE] [--mib N] [--piece-mib N] [--chunk-kib N] [--rounds N]\n");
+  cli::setup(app,
+             "usage: shuttle-weights-push [FILE] [--mib N] [--piece-mib N] [--chunk-kib N] [--rounds N] [--readers 1|2]\n");
   app.add_option("FILE", path, "the file (created with a pattern when missing)")->type_name("");
   app.add_option("--mib", mib, "size of a created file (default 2048)")->transform(cli::count(1, 1u << 20));
   app.add_option("--piece-mib", piece_mib, "MiB per read_into (default 32)")->transform(cli::count(1, 1u << 14));
   app.add_option("--chunk-kib", chunk_kib, "KiB per network chunk (default 2048)")->transform(cli::count(4, 1u << 20));
+  app.add_option("--readers", readers, "1, or 2 gpu_files taking turns on the pieces (default 1)")
+      ->transform(cli::count(1, 2));
   app.add_option("--rounds", rounds, "pipelined run and bounds, N times in rotating order (default 1)")
       ->transform(cli::count(1, 100));
   cli::parse(app, argc, argv);
@@ -157,24 +161,29 @@ int main(int argc, char** argv) {
   cuda::check(cudaMalloc(reinterpret_cast<void**>(&sums), 2 * chunks * 8), "cudaMalloc");
   cuda::check(cudaMemset(sums, 0, 2 * chunks * 8), "cudaMemset");
 
-  // The pipelined run: two readers, each on its own gpu_file, read every
-  // other piece, never waiting for the network (the whole file has its
-  // place in GPU memory), and hand each one over as it lands; the pusher
-  // sends each piece once it is there. An earlier version read piece p+1
-  // and sent piece p in lockstep, so each piece cost the slower of the two
-  // plus the hand-over (0.72-0.83 of min(disk, network) on the H100
-  // machine, 2026-12-06); one reader alone drains the disk's queue at the
-  // end of every piece, since a gpu_file runs one read_into at a time
-  // (0.77-0.97, median 0.84, docs/measurements.md).
-  auto f2 = cuda::gpu_file::open(path);
-  if (!f2) {
-    std::fprintf(stderr, "open %s (second reader): %s\n", path.c_str(), f2.error().message().c_str());
-    return 1;
+  // The pipelined run: a reader (or two, each on its own gpu_file, taking
+  // turns: --readers 2) reads the pieces, never waiting for the network
+  // (the whole file has its place in GPU memory), and hands each one over
+  // as it lands; the pusher sends each piece once it is there. An earlier
+  // version read piece p+1 and sent piece p in lockstep, so each piece cost
+  // the slower of the two plus the hand-over (0.72-0.83 of min(disk,
+  // network) on the H100 machine, 2026-12-06). One reader drains the
+  // disk's queue at the end of every piece, since a gpu_file runs one
+  // read_into at a time (0.77-0.97, median 0.84, docs/measurements.md);
+  // two keep it busy (not measured yet).
+  std::optional<cuda::gpu_file> f2;
+  if (readers == 2) {
+    auto g = cuda::gpu_file::open(path);
+    if (!g) {
+      std::fprintf(stderr, "open %s (second reader): %s\n", path.c_str(), g.error().message().c_str());
+      return 1;
+    }
+    f2.emplace(std::move(*g));
   }
   std::error_code read_error;
   std::optional<semaphore> landed[2];  // per reader; made anew for each pipelined run
   auto reader = [&](unsigned which, cuda::gpu_file& file) -> task<void> {
-    for (std::size_t p = which; p < pieces; p += 2) {
+    for (std::size_t p = which; p < pieces; p += readers) {
       const std::size_t off = p * piece, n = std::min(piece, len - off);
       auto got = co_await file.read_into({src.data() + off, n}, off);
       if (!got || *got != n) {
@@ -188,7 +197,7 @@ int main(int argc, char** argv) {
   result<void> a{}, b{};
   auto pusher = [&]() -> task<void> {
     for (std::size_t p = 0; p < pieces && a && b; ++p) {
-      if (!co_await landed[p % 2]->acquire()) co_return;  // pieces land in order per reader
+      if (!co_await landed[p % readers]->acquire()) co_return;  // pieces land in order per reader
       const std::size_t base = p * piece, n = std::min(piece, len - base);
       // off is relative to the piece; a chunk's sum sits at its index in the file.
       auto produce = [&, base](std::size_t, std::size_t off, std::size_t sz, cudaStream_t st) {
@@ -206,7 +215,12 @@ int main(int argc, char** argv) {
       b = std::move(y);
     }
   };
-  auto pipeline = [&]() -> task<void> { co_await when_all(reader(0, *f), reader(1, *f2), pusher()); };
+  auto pipeline = [&]() -> task<void> {
+    if (f2)
+      co_await when_all(reader(0, *f), reader(1, *f2), pusher());
+    else
+      co_await when_all(reader(0, *f), pusher());
+  };
   auto gbs = [&](double t) { return double(len) / t / 1e9; };
   std::size_t bad = 0, bad_ref = 0;
   std::vector<unsigned long long> h(2 * chunks);
