@@ -34,7 +34,12 @@ class auto_domain final : public domain_impl {
   result<memory_region> register_memory(std::span<std::byte> mem, unsigned flags) override {
     auto r = remote_->register_memory(mem, flags);
     if (!r) return r.error();
-    auto l = register_local_with_key(*local_, mem, flags, r->rkey());
+    // One rkey for both only where peers may use it: a device may issue no
+    // remote key for local-only memory (rxe gives 0), and a local-only
+    // region's key is never sent to anyone.
+    constexpr unsigned remote_access = access::remote_write | access::remote_read | access::remote_atomic;
+    auto l = (flags & remote_access) ? register_local_with_key(*local_, mem, flags, r->rkey())
+                                     : local_->register_memory(mem, flags);
     if (!l) return l.error();
     auto a = std::make_shared<auto_region>();
     a->addr = mem.data();
@@ -49,15 +54,18 @@ class auto_domain final : public domain_impl {
 
   task<result<connection>> connect(endpoint remote, connection_options opts) override {
     if (remote.family() == AF_UNIX) return local_->connect(remote, std::move(opts));
-    // Plain RC (verbs) has no local counterpart; nor has a peer elsewhere.
-    if (opts.protocol != wire_protocol::shuttle || !same_host(remote))
+    // Plain RC (verbs) and shared receive queues have no local counterpart;
+    // nor has a peer elsewhere.
+    if (opts.protocol != wire_protocol::shuttle || opts.shared_receive_queue || !same_host(remote))
       return remote_->connect(remote, std::move(opts));
     return connect_here(remote_, local_, remote, std::move(opts));
   }
 
   result<listener> listen(endpoint local, connection_options opts, listener_options limits) override {
     if (local.family() == AF_UNIX) return local_->listen(local, opts, limits);
-    if (opts.protocol != wire_protocol::shuttle) return remote_->listen(local, opts, limits);
+    // Options only the remote provider has: its listener alone (local
+    // clients then fall back to it at once: no local socket answers).
+    if (opts.protocol != wire_protocol::shuttle || opts.shared_receive_queue) return remote_->listen(local, opts, limits);
     // Port 0: the remote provider picks the port; when its local name is
     // taken (another automatic listener of this host on that port, for
     // another address), another port.
