@@ -6,6 +6,7 @@
 #include "staging.hpp"
 
 #include <atomic>
+#include <chrono>
 
 namespace shuttle::verbs {
 extern std::atomic<const device_memory_hooks*> installed_hooks;  // common.cpp
@@ -51,6 +52,8 @@ struct core final : poller, std::enable_shared_from_this<core> {
   std::uint64_t reg_seq = 0;
   std::size_t device_registrations = 0;  // device-memory registrations ever made (dma-buf, peermem)
   std::shared_ptr<staging_pool> staging;  // made on first use
+  // Shared with the transient registrations it times, which may outlive this.
+  std::shared_ptr<copy_or_register> path_costs = std::make_shared<copy_or_register>();
   // The staging lease or transient registration that find_region made for
   // the operation being built: the operation takes it (take_hold) and holds
   // it until it completes.
@@ -251,14 +254,17 @@ struct core final : poller, std::enable_shared_from_this<core> {
     if (!mr) return last_errno();
     ++st.registrations;
     auto r = std::make_shared<verbs_region>();
-    r->mr = mr;
-    r->pd = pdh;
-    r->addr = mem.data();
-    r->length = mem.size();
-    r->access = a;
-    r->lkey = mr->lkey;
-    r->rkey = mr->rkey;
+    fill(*r, mr, mem, a);
     return r;
+  }
+  void fill(verbs_region& r, ibv_mr* mr, std::span<std::byte> mem, unsigned a) {
+    r.mr = mr;
+    r.pd = pdh;
+    r.addr = mem.data();
+    r.length = mem.size();
+    r.access = a;
+    r.lkey = mr->lkey;
+    r.rkey = mr->rkey;
   }
 
   // Memory windows (connection::grant): type 2 ones bound on a QP.
@@ -389,23 +395,53 @@ struct core final : poller, std::enable_shared_from_this<core> {
     if (const auto* h = verbs::installed_hooks.load(std::memory_order_acquire);
         h && h->is_device_memory && h->is_device_memory(mem.data(), mem.size()))
       return device_region(mem, need_write, *h);
+    std::span<std::byte> m(const_cast<std::byte*>(mem.data()), mem.size());
     if (may_stage && !need_write && mem.size() <= staging_max) {
+      const unsigned cls = staging_class(mem.size());
+      if (!path_costs->stage(cls)) {
+        if (auto r = timed_registration(m, cls)) {
+          ++st.transient_registrations;
+          op_owned = std::move(*r);
+          return op_owned.get();
+        }  // (memory a registration refuses may still be copied)
+      }
       if (!staging) staging = std::make_shared<staging_pool>();
-      if (auto lease = staging->take(mem.size(), [this](std::span<std::byte> m) { return reg(m, 0); })) {
+      if (auto lease = staging->take(mem.size(), [this](std::span<std::byte> c) { return reg(c, 0); })) {
+        const auto t0 = std::chrono::steady_clock::now();
         std::memcpy(lease->addr, mem.data(), mem.size());
+        path_costs->copied(cls, (std::chrono::steady_clock::now() - t0).count());
         ++st.staged;
         sge.addr = reinterpret_cast<std::uintptr_t>(lease->addr);
         op_owned = std::move(lease->hold);
         return lease->region;
       }
     }
-    std::span<std::byte> m(const_cast<std::byte*>(mem.data()), mem.size());
     auto r = reg(m, access::local_write);
     if (!r && !need_write) r = reg(m, 0);  // read-only memory (a send source)
     if (!r) return r.error();
     ++st.transient_registrations;
     op_owned = std::move(*r);
     return op_owned.get();
+  }
+  // A registration of a staging-sized source for one operation, whose cost
+  // (ibv_reg_mr now, ibv_dereg_mr when the operation lets go) goes to
+  // path_costs.
+  result<std::shared_ptr<verbs_region>> timed_registration(std::span<std::byte> m, unsigned cls) {
+    using clk = std::chrono::steady_clock;
+    auto reg_ns = std::make_shared<std::int64_t>(0);
+    std::shared_ptr<verbs_region> r(new verbs_region, [costs = path_costs, cls, reg_ns](verbs_region* p) {
+      const bool made = p->mr != nullptr;
+      const auto t1 = clk::now();
+      delete p;  // ibv_dereg_mr
+      if (made) costs->registered(cls, *reg_ns + (clk::now() - t1).count());
+    });
+    const auto t0 = clk::now();
+    ibv_mr* mr = ibv_reg_mr(pd, m.data(), m.size(), 0);
+    if (!mr) return last_errno();
+    *reg_ns = (clk::now() - t0).count();
+    ++st.registrations;
+    fill(*r, mr, m, 0);
+    return r;
   }
   // A reference to what local_region returned, for an operation that waits.
   static std::shared_ptr<verbs_region> hold(verbs_region* r) { return r ? r->shared_from_this() : nullptr; }

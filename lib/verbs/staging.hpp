@@ -2,12 +2,14 @@
 // does not own are copied into. Such memory is never registered for longer
 // than one operation, since nothing tells the library when it is unmapped
 // (docs/memory-registration.md); copying a small source into memory that
-// stays registered costs less than registering it per operation.
+// stays registered often costs less than registering it per operation
+// (copy_or_register measures which).
 #pragma once
 
 #include "registration.hpp"
 
 #include <array>
+#include <cstdint>
 #include <optional>
 
 namespace shuttle::detail::verbs_impl {
@@ -30,6 +32,42 @@ constexpr unsigned staging_class(std::size_t bytes) noexcept {
   while ((staging_min << c) < bytes) ++c;
   return c;
 }
+
+// Copy or register, per size class. Which of the two costs less depends on
+// the machine: on a NIC whose registrations go through firmware a copy of
+// 64 KiB is the cheaper, under Soft-RoCE in an emulated guest a copy of
+// 64 KiB costs about three registrations (docs/memory-registration.md). So
+// each domain measures both as it goes (the copy; ibv_reg_mr plus, when the
+// operation lets go, ibv_dereg_mr) and takes the cheaper, trying the other
+// every probe_every-th time to keep its figure current. Neither choice
+// caches anything: a stale registration stays impossible.
+class copy_or_register {
+ public:
+  static constexpr std::uint32_t probe_every = 64;
+
+  // Whether to stage the next source of this class (else register it for
+  // the operation). Until a registration has been measured: stage.
+  bool stage(unsigned cls) noexcept {
+    auto& e = classes_[cls];
+    const bool cheaper = e.reg_ns == 0 || e.copy_ns <= e.reg_ns;
+    return ++e.decisions % probe_every == 0 ? !cheaper : cheaper;
+  }
+  void copied(unsigned cls, std::int64_t ns) noexcept { blend(classes_[cls].copy_ns, ns); }
+  void registered(unsigned cls, std::int64_t ns) noexcept { blend(classes_[cls].reg_ns, ns); }
+  double copy_ns(unsigned cls) const noexcept { return classes_[cls].copy_ns; }
+  double register_ns(unsigned cls) const noexcept { return classes_[cls].reg_ns; }
+
+ private:
+  struct costs {
+    double copy_ns = 0, reg_ns = 0;  // moving averages; 0: not measured yet
+    std::uint32_t decisions = 0;
+  };
+  static void blend(double& avg, std::int64_t ns) noexcept {
+    const double v = ns > 0 ? double(ns) : 1.0;
+    avg = avg == 0 ? v : avg + (v - avg) / 8;
+  }
+  std::array<costs, staging_classes> classes_{};
+};
 
 struct staging_pool;
 
