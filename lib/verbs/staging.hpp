@@ -39,28 +39,38 @@ constexpr unsigned staging_class(std::size_t bytes) noexcept {
 // 64 KiB costs about three registrations (docs/memory-registration.md). So
 // each domain measures both as it goes (the copy; ibv_reg_mr plus, when the
 // operation lets go, ibv_dereg_mr) and takes the cheaper, trying the other
-// every probe_every-th time to keep its figure current. Neither choice
-// caches anything: a stale registration stays impossible.
+// now and then to keep its figure current: every probe_min-th source while
+// a figure is missing, else less often the dearer the other path is (a
+// probe costs about 1/probe_min of the cheaper path on average). Neither
+// choice caches anything: a stale registration stays impossible.
 class copy_or_register {
  public:
-  static constexpr std::uint32_t probe_every = 64;
+  static constexpr std::uint32_t probe_min = 64, probe_max = 4096;
 
   // Whether to stage the next source of this class (else register it for
   // the operation). Until a registration has been measured: stage.
   bool stage(unsigned cls) noexcept {
     auto& e = classes_[cls];
     const bool cheaper = e.reg_ns == 0 || e.copy_ns <= e.reg_ns;
-    return ++e.decisions % probe_every == 0 ? !cheaper : cheaper;
+    if (++e.since_probe < probe_interval(cls)) return cheaper;
+    e.since_probe = 0;
+    return !cheaper;
   }
   void copied(unsigned cls, std::int64_t ns) noexcept { blend(classes_[cls].copy_ns, ns); }
   void registered(unsigned cls, std::int64_t ns) noexcept { blend(classes_[cls].reg_ns, ns); }
   double copy_ns(unsigned cls) const noexcept { return classes_[cls].copy_ns; }
   double register_ns(unsigned cls) const noexcept { return classes_[cls].reg_ns; }
+  std::uint32_t probe_interval(unsigned cls) const noexcept {
+    const auto& e = classes_[cls];
+    if (e.copy_ns == 0 || e.reg_ns == 0) return probe_min;
+    const double dearer = e.copy_ns > e.reg_ns ? e.copy_ns / e.reg_ns : e.reg_ns / e.copy_ns;
+    return dearer * probe_min >= probe_max ? probe_max : std::uint32_t(dearer * probe_min);
+  }
 
  private:
   struct costs {
     double copy_ns = 0, reg_ns = 0;  // moving averages; 0: not measured yet
-    std::uint32_t decisions = 0;
+    std::uint32_t since_probe = 0;
   };
   static void blend(double& avg, std::int64_t ns) noexcept {
     const double v = ns > 0 ? double(ns) : 1.0;

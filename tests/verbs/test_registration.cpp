@@ -185,26 +185,35 @@ TEST_CASE("staging_pool: stops at its cap and when registration fails, and a lea
 }
 
 TEST_CASE("copy_or_register: stages until a registration is measured, then takes the cheaper, probing the other") {
-  vi::copy_or_register c;
+  using vi::copy_or_register;
+  copy_or_register c;
   const unsigned k = vi::staging_class(64 << 10), small = vi::staging_class(4096);
-  // Nothing measured: stage, except every probe_every-th source, which is
-  // registered so that its cost becomes known.
   auto count_staged = [&](unsigned cls, std::uint32_t n) {
     std::uint32_t staged = 0;
     for (std::uint32_t i = 0; i < n; ++i) staged += c.stage(cls);
     return staged;
   };
-  CHECK(count_staged(k, vi::copy_or_register::probe_every - 1) == vi::copy_or_register::probe_every - 1);
+  // Nothing measured: stage, except every probe_min-th source, which is
+  // registered so that its cost becomes known.
+  CHECK(count_staged(k, copy_or_register::probe_min - 1) == copy_or_register::probe_min - 1);
   CHECK_FALSE(c.stage(k));
-  // Copies dearer than registrations (an emulated guest): register, copy every probe_every-th.
+  // Copies three times dearer than registrations (an emulated guest):
+  // register; copy every (3 x probe_min)-th source.
   c.copied(k, 150'000);
   c.registered(k, 50'000);
-  CHECK(count_staged(k, 4 * vi::copy_or_register::probe_every) == 4);
-  // The figures move with what is measured: copies became cheap again.
+  CHECK(c.probe_interval(k) == 3 * copy_or_register::probe_min);
+  CHECK(count_staged(k, 4 * c.probe_interval(k)) == 4);
+  // The figures follow what is measured: copies became cheap again.
   for (int i = 0; i < 40; ++i) c.copied(k, 5'000);
   CHECK(c.copy_ns(k) < c.register_ns(k));
-  CHECK(count_staged(k, 4 * vi::copy_or_register::probe_every) == 4 * vi::copy_or_register::probe_every - 4);
+  const auto every = c.probe_interval(k);
+  CHECK(every > copy_or_register::probe_min);
+  CHECK(count_staged(k, 4 * every) == 4 * every - 4);
+  // A path far dearer is probed at most every probe_max-th time.
+  for (int i = 0; i < 200; ++i) c.registered(k, 1'000'000'000);
+  CHECK(c.probe_interval(k) == copy_or_register::probe_max);
   // Each class on its own: the 4 KiB one has measured nothing.
   CHECK(c.register_ns(small) == 0);
-  CHECK(count_staged(small, vi::copy_or_register::probe_every - 1) == vi::copy_or_register::probe_every - 1);
+  CHECK(c.probe_interval(small) == copy_or_register::probe_min);
+  CHECK(count_staged(small, copy_or_register::probe_min - 1) == copy_or_register::probe_min - 1);
 }
