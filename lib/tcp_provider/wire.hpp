@@ -150,6 +150,17 @@ struct region_view {
   unsigned access = 0;
 };
 
+// [addr, addr+len) in `r`'s memory, or null where it is not inside `r`
+// (rights not checked). Overflow-safe. check_access's bounds; a list
+// frame's descriptors, whose right is checked once, are checked with it.
+inline std::byte* in_region(const region_view& r, std::uint64_t addr, std::uint64_t len) noexcept {
+  const auto base = reinterpret_cast<std::uint64_t>(r.addr);
+  if (!r.addr || addr < base) return nullptr;
+  const std::uint64_t off = addr - base;
+  if (off > r.length || len > r.length - off) return nullptr;
+  return r.addr + off;
+}
+
 // Checks a one-sided access to [addr, addr+len) of `r` needing `required`
 // rights (atomics also need 8-byte alignment and len == 8). Returns the
 // local pointer, or errc::remote_access_error. Overflow-safe.
