@@ -26,7 +26,11 @@
 //
 // Usage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read]
 //                     [--rails R [--one-loop]] [--transport tcp|verbs|local]
-//                     [--addr IP] [--no-write-list] [--only blocks|contiguous]
+//                     [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared]
+//
+// --shared (local): the target's memory comes from shared_memory::allocate,
+// so the initiator's accesses are a memcpy on its mapping (without it: a
+// std::vector, reached through the engine's frames).
 //
 // --only: time one of the two transfers alone (no ratio printed), so that a
 // profiler's count over a run is the cost of that transfer (callgrind: run
@@ -36,6 +40,7 @@
 // WRITE_LIST frame, as a peer that predates it: every block is a WRITE
 // frame of its own (the comparison for the frame's gain).
 #include <shuttle/shuttle.hpp>
+#include <shuttle/local.hpp>
 #include <shuttle/transport.hpp>
 
 #include "stats.hpp"  // the tcp engine's tcp_announce_write_list (internal)
@@ -69,6 +74,7 @@ struct config {
   bool one_loop = false;  // --rails: every rail on one loop thread per side
   bool no_write_list = false;  // tcp/local: the target does not announce WRITE_LIST (a peer from before it)
   int only = 0;                // 1: blocks alone, 2: the contiguous transfer alone
+  bool shared = false;         // local: the target's memory from shared_memory::allocate
   transport_kind kind = transport_kind::tcp;
   std::string addr = "127.0.0.1";
 };
@@ -77,7 +83,7 @@ struct config {
   std::fprintf(stderr,
                "blocks_bench: %s\nusage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] "
                "[--rails R [--one-loop]] [--transport tcp|verbs|local] [--addr IP] [--no-write-list]\n"
-               "       [--only blocks|contiguous]\n",
+               "       [--only blocks|contiguous] [--shared]\n",
                why);
   std::exit(2);
 }
@@ -102,6 +108,7 @@ config parse(int argc, char** argv) {
     else if (a == "--iters") c.iters = number(next());
     else if (a == "--read") c.read = true;
     else if (a == "--no-write-list") c.no_write_list = true;
+    else if (a == "--shared") c.shared = true;
     else if (a == "--rails") c.rails = number(next());
     else if (a == "--one-loop") c.one_loop = true;
     else if (a == "--addr") c.addr = next();
@@ -117,7 +124,7 @@ config parse(int argc, char** argv) {
       c.kind = *k;
     } else if (a == "--help") {
       std::printf("blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] [--rails R [--one-loop]] "
-                  "[--transport K] [--addr IP] [--no-write-list] [--only blocks|contiguous]\n");
+                  "[--transport K] [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared]\n");
       std::exit(0);
     } else usage("unknown argument");
   }
@@ -125,6 +132,7 @@ config parse(int argc, char** argv) {
   if (c.rails > 64) usage("more than 64 rails");
   if (c.one_loop && c.rails < 2) usage("--one-loop needs --rails 2 or more");
   if (c.only && c.rails > 1) usage("--only is for one connection");
+  if (c.shared && (c.kind != transport_kind::local || c.rails > 1)) usage("--shared is for one local connection");
   return c;
 }
 
@@ -151,7 +159,17 @@ int target(const config& c, int port_pipe) {
   io_context ctx;
   return ctx.run([&]() -> task<int> {
     domain d = open_domain(c);
-    std::vector<std::byte> mem(2 * c.blocks * c.block_size, std::byte{1});
+    std::vector<std::byte> vec;
+    shared_memory shm;
+    std::span<std::byte> mem;
+    if (c.shared) {
+      shm = shared_memory::allocate(2 * c.blocks * c.block_size).value();
+      mem = shm.span();
+    } else {
+      vec.resize(2 * c.blocks * c.block_size);
+      mem = vec;
+    }
+    std::fill(mem.begin(), mem.end(), std::byte{1});
     auto mr = d.register_memory(mem, access::all).value();
     if (c.no_write_list) detail::tcp_announce_write_list(false);
     auto l = d.listen(endpoint::parse(c.addr + ":0").value(), conn_opts(c)).value();
