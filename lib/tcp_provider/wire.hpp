@@ -20,6 +20,12 @@
 // reads list frames sends first. An older peer neither sends it nor gets
 // list frames.
 //
+// Responder units (the hello's max_responder_ops) count response frames: a
+// READ_LIST takes one, as a READ does, whatever its count (its answer is
+// one READ_LIST_RESP: one queued frame at the target). An older target
+// counted a list's descriptors; past its units it only stops reading until
+// its writer has taken the responses (back-pressure, never an error).
+//
 // Everything here is pure (bytes in, values out): the connection engine and
 // the fuzz target share it, so what the fuzzer exercises is what runs.
 #pragma once
