@@ -26,12 +26,21 @@
 //
 // Usage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read]
 //                     [--rails R [--one-loop]] [--transport tcp|verbs|local]
-//                     [--addr IP] [--no-write-list]
+//                     [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared]
+//
+// --shared (local): the target's memory comes from shared_memory::allocate,
+// so the initiator's accesses are a memcpy on its mapping (without it: a
+// std::vector, reached through the engine's frames).
+//
+// --only: time one of the two transfers alone (no ratio printed), so that a
+// profiler's count over a run is the cost of that transfer (callgrind: run
+// --iters K and K+10, the difference over 10 is one transfer's instructions).
 //
 // --no-write-list (tcp and local): the target does not announce the
 // WRITE_LIST frame, as a peer that predates it: every block is a WRITE
 // frame of its own (the comparison for the frame's gain).
 #include <shuttle/shuttle.hpp>
+#include <shuttle/local.hpp>
 #include <shuttle/transport.hpp>
 
 #include "stats.hpp"  // the tcp engine's tcp_announce_write_list (internal)
@@ -64,6 +73,8 @@ struct config {
   bool read = false;
   bool one_loop = false;  // --rails: every rail on one loop thread per side
   bool no_write_list = false;  // tcp/local: the target does not announce WRITE_LIST (a peer from before it)
+  int only = 0;                // 1: blocks alone, 2: the contiguous transfer alone
+  bool shared = false;         // local: the target's memory from shared_memory::allocate
   transport_kind kind = transport_kind::tcp;
   std::string addr = "127.0.0.1";
 };
@@ -71,7 +82,8 @@ struct config {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "blocks_bench: %s\nusage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] "
-               "[--rails R [--one-loop]] [--transport tcp|verbs|local] [--addr IP] [--no-write-list]\n",
+               "[--rails R [--one-loop]] [--transport tcp|verbs|local] [--addr IP] [--no-write-list]\n"
+               "       [--only blocks|contiguous] [--shared]\n",
                why);
   std::exit(2);
 }
@@ -96,22 +108,31 @@ config parse(int argc, char** argv) {
     else if (a == "--iters") c.iters = number(next());
     else if (a == "--read") c.read = true;
     else if (a == "--no-write-list") c.no_write_list = true;
+    else if (a == "--shared") c.shared = true;
     else if (a == "--rails") c.rails = number(next());
     else if (a == "--one-loop") c.one_loop = true;
     else if (a == "--addr") c.addr = next();
+    else if (a == "--only") {
+      std::string w = next();
+      if (w == "blocks") c.only = 1;
+      else if (w == "contiguous") c.only = 2;
+      else usage("--only takes blocks or contiguous");
+    }
     else if (a == "--transport") {
       auto k = parse_transport_kind(next());
       if (!k) usage("bad transport");
       c.kind = *k;
     } else if (a == "--help") {
       std::printf("blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] [--rails R [--one-loop]] "
-                  "[--transport K] [--addr IP] [--no-write-list]\n");
+                  "[--transport K] [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared]\n");
       std::exit(0);
     } else usage("unknown argument");
   }
   if (c.blocks * c.block_size > (std::size_t(1) << 30)) usage("N*B over 1 GiB");
   if (c.rails > 64) usage("more than 64 rails");
   if (c.one_loop && c.rails < 2) usage("--one-loop needs --rails 2 or more");
+  if (c.only && c.rails > 1) usage("--only is for one connection");
+  if (c.shared && (c.kind != transport_kind::local || c.rails > 1)) usage("--shared is for one local connection");
   return c;
 }
 
@@ -138,7 +159,17 @@ int target(const config& c, int port_pipe) {
   io_context ctx;
   return ctx.run([&]() -> task<int> {
     domain d = open_domain(c);
-    std::vector<std::byte> mem(2 * c.blocks * c.block_size, std::byte{1});
+    std::vector<std::byte> vec;
+    shared_memory shm;
+    std::span<std::byte> mem;
+    if (c.shared) {
+      shm = shared_memory::allocate(2 * c.blocks * c.block_size).value();
+      mem = shm.span();
+    } else {
+      vec.resize(2 * c.blocks * c.block_size);
+      mem = vec;
+    }
+    std::fill(mem.begin(), mem.end(), std::byte{1});
     auto mr = d.register_memory(mem, access::all).value();
     if (c.no_write_list) detail::tcp_announce_write_list(false);
     auto l = d.listen(endpoint::parse(c.addr + ":0").value(), conn_opts(c)).value();
@@ -301,8 +332,9 @@ int initiator(const config& c, std::uint16_t port) {
     const auto before = block_transfer_stats();
     for (std::size_t i = 0; i < c.iters + 2 && ok; ++i) {  // 2 warm-up rounds
       // Alternated, so that the host's load drifts over both alike.
-      auto sl = co_await timed(list, ok);
-      auto so = co_await timed(one, ok);
+      sample sl{1, 1}, so{1, 1};
+      if (c.only != 2) sl = co_await timed(list, ok);
+      if (c.only != 1) so = co_await timed(one, ok);
       if (i >= 2) {
         lists.push_back(sl);
         ones.push_back(so);
@@ -316,14 +348,18 @@ int initiator(const config& c, std::uint16_t port) {
     auto sl = summarize(lists, n * b), so = summarize(ones, n * b);
     std::printf("provider %s (%s), %s, %zu iterations, %.1f operations per list\n", to_string(d.kind()),
                 d.describe().c_str(), c.read ? "read" : "write", c.iters,
-                double(after.operations - before.operations) / double(after.lists - before.lists));
+                after.lists > before.lists
+                    ? double(after.operations - before.operations) / double(after.lists - before.lists)
+                    : 0.0);
     std::printf("%-10s %10s %8s %10s %12s %12s %14s %14s %10s\n", "", "block size", "batch", "B/W (GB/s)",
                 "avg post(us)", "p99 post(us)", "avg xfer(us)", "p99 xfer(us)", "post/block");
-    std::printf("%-10s %10zu %8zu %10.3f %12.1f %12.1f %14.1f %14.1f %8.1fns\n", "blocks", b, n, sl.gbps, sl.post_avg,
-                sl.post_p99, sl.xfer_avg, sl.xfer_p99, sl.post_avg * 1e3 / double(n));
-    std::printf("%-10s %10zu %8d %10.3f %12.1f %12.1f %14.1f %14.1f %10s\n", "contiguous", n * b, 1, so.gbps,
-                so.post_avg, so.post_p99, so.xfer_avg, so.xfer_p99, "");
-    std::printf("ratio blocks/contiguous bandwidth: %.3f\n", sl.gbps / so.gbps);
+    if (c.only != 2)
+        std::printf("%-10s %10zu %8zu %10.3f %12.1f %12.1f %14.1f %14.1f %8.1fns\n", "blocks", b, n, sl.gbps, sl.post_avg,
+                  sl.post_p99, sl.xfer_avg, sl.xfer_p99, sl.post_avg * 1e3 / double(n));
+    if (c.only != 1)
+        std::printf("%-10s %10zu %8d %10.3f %12.1f %12.1f %14.1f %14.1f %10s\n", "contiguous", n * b, 1, so.gbps,
+                  so.post_avg, so.post_p99, so.xfer_avg, so.xfer_p99, "");
+    if (!c.only) std::printf("ratio blocks/contiguous bandwidth: %.3f\n", sl.gbps / so.gbps);
     co_return 0;
   }());
 }

@@ -15,6 +15,8 @@
 # the rows' order rotating from round to round:
 #   tcp / local, write / read: 1,000 blocks of 4 KiB and of 64 KiB against one
 #     contiguous transfer of the same bytes (targets >= 0.9 and >= 0.97);
+#     local: memory not shared (through the engine's frames), and shm-*: the
+#     target's memory from shared_memory (a memcpy on the mapping);
 #   striping, tcp, write / read: 64 MiB over 2 rails against 1 rail, a loop
 #     thread per rail on each side (target >= 1.6); and, for contrast, the
 #     write with both rails and the baseline on one loop thread per side.
@@ -58,6 +60,10 @@ rows=(
   "local-write-64k|0.97|--transport local --blocks $n --block-size 65536 --iters $it64"
   "local-read-4k|0.9|--transport local --blocks $n --block-size 4096 --iters $it4 --read"
   "local-read-64k|0.97|--transport local --blocks $n --block-size 65536 --iters $it64 --read"
+  "shm-write-4k|0.9|--transport local --shared --blocks $n --block-size 4096 --iters $it4"
+  "shm-read-4k|0.9|--transport local --shared --blocks $n --block-size 4096 --iters $it4 --read"
+  "shm-write-64k|0.97|--transport local --shared --blocks $n --block-size 65536 --iters $it64"
+  "shm-read-64k|0.97|--transport local --shared --blocks $n --block-size 65536 --iters $it64 --read"
   "stripe-write-2rails|1.6|--transport tcp --rails 2 --blocks $sn --block-size 65536 --iters $sit"
   "stripe-read-2rails|1.6|--transport tcp --rails 2 --blocks $sn --block-size 65536 --iters $sit --read"
   "stripe-write-1loop|-|--transport tcp --rails 2 --one-loop --blocks $sn --block-size 65536 --iters $sit"

@@ -605,7 +605,8 @@ class connection {
   //    operation (at most 1 GiB each).
   //  - The operations go through post_batch: chains cut to fit the send
   //    queue, only the last of each chain signaled (verbs), one writev per
-  //    chain (tcp); options.notify turns the last one into a
+  //    chain (tcp; local: on the peer's shared regions a memcpy each, as
+  //    single operations); options.notify turns the last one into a
   //    write_with_imm, so the peer's message arrives after every block.
   //  - Errors, cancellation: post_batch's. A failure fails the whole list
   //    (never a silent partial success); blocks before the failing one have

@@ -103,6 +103,9 @@ class local_connection final : public connection_impl {
   // A GPU copy for `op` (planned: r.at), from its turn in the lane on.
   task<result<void>> gpu_copy(lane_op op, std::byte* at, std::shared_ptr<void> hold);
   task<result<void>> batch(std::span<const operation> ops, std::size_t* failed);
+  // The leading writes and reads of a batch that are done here, as single
+  // ones would be (operations.cpp); returns how many.
+  std::size_t direct_run(std::span<const operation> ops) noexcept;
   task<result<void>> close_in_order();
 
   std::shared_ptr<tp::conn_state> s_;

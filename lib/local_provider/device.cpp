@@ -233,12 +233,21 @@ task<result<void>> local_connection::batch(std::span<const operation> ops, std::
   };
   if (h) survey();
   if (!by_one && !unknown && !x.ordered_busy()) {
+    // Writes and reads on shared host regions are done here (a block list:
+    // a memcpy per block, no frame); the engine takes the rest.
+    const std::size_t done = direct_run(ops);
+    if (done == ops.size()) {
+      if (failed) *failed = done;
+      co_return result<void>{};
+    }
     // (Not a conditional expression around co_await: g++ 12 destroys its temporary twice.)
     if (failed) {
-      auto t = inner_.post_batch_at(ops, *failed);
-      co_return co_await std::move(t);
+      auto t = inner_.post_batch_at(ops.subspan(done), *failed);
+      auto r = co_await std::move(t);
+      *failed += done;
+      co_return r;
     }
-    auto t = inner_.post_batch(ops);
+    auto t = inner_.post_batch(ops.subspan(done));
     co_return co_await std::move(t);
   }
   lane_place place{x, x.next_ticket++};

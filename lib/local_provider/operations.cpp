@@ -128,6 +128,51 @@ void local_connection::read(op_slot<void>& out, std::span<std::byte> local, remo
   out.set_task(in_lane_void({lane_op::kind::read, local.data(), local.size(), remote}));
 }
 
+// A batch (a block list) on the peer's shared host regions: each write or
+// read from the first on is a memcpy here, as a single one would be, until
+// one is not (another kind, memory not shared, a key not answered yet: it
+// is asked for now, a refused range or right: the engine refuses it), from
+// which one on the engine takes the rest, in order (what was done here is
+// done before anything of the rest is sent). plan() checks the first
+// operation on a region; the ones after it on the same region are checked
+// against the same answer (bounds, rights) without looking it up again, as
+// the key word and the connection's state cannot have changed meanwhile in
+// a way that matters to this loop, which does not suspend (an access begun
+// before a deregistration may complete, README.md).
+std::size_t local_connection::direct_run(std::span<const operation> ops) noexcept {
+  const peer_region* pr = nullptr;  // the region of the operation before, checked by plan()
+  std::size_t i = 0;
+  for (; i < ops.size(); ++i) {
+    const operation& o = ops[i];
+    const bool w = o.op == operation::type::write;
+    if (!w && o.op != operation::type::read) break;
+    const unsigned right = w ? access::remote_write : access::remote_read;
+    const std::size_t len = o.local.size();
+    std::byte* at = nullptr;
+    if (pr && pr->rkey == o.remote.rkey) {
+      if (len == 0 || len > tp::max_rdma_length || (pr->access & right) != right || o.remote.address < pr->addr)
+        break;
+      const std::uint64_t off = o.remote.address - pr->addr;
+      if (off > pr->length || len > pr->length - off) break;
+      at = pr->at + off;
+      ++direct_accesses;
+    } else {
+      auto rt = plan(o.remote, o.local.data(), len, right);
+      if (rt.how != route::how::host) {
+        if (rt.how == route::how::ask) x_.ask(o.remote.rkey);  // later lists may be done here
+        break;
+      }
+      at = rt.at;
+      pr = &x_.regions.find(o.remote.rkey)->second;  // plan() found it (node addresses are stable)
+    }
+    if (w)
+      std::memcpy(at, o.local.data(), len);
+    else
+      std::memcpy(const_cast<std::byte*>(o.local.data()), at, len);
+  }
+  return i;
+}
+
 void local_connection::compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
                                         std::uint64_t desired) {
   if (x_.ordered_busy())

@@ -91,6 +91,35 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     return n;
   }
 
+  result<std::size_t> read_now_v(std::span<iovec>& v) noexcept override {
+    if (fault) return fault;
+    const bool hung_up = gone;  // as read_now
+    const std::uint64_t t = load(rx_.tail);
+    const std::uint64_t avail = t - head_;
+    if (avail > cap || avail < seen_tail_ - head_) return bad();
+    seen_tail_ = t;
+    std::uint64_t left = avail;
+    const std::uint64_t before = head_;
+    while (!v.empty() && left > 0) {
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(left, v.front().iov_len));
+      const std::size_t off = static_cast<std::size_t>(head_ & (cap - 1)), first = std::min(k, cap - off);
+      auto* dst = static_cast<std::byte*>(v.front().iov_base);
+      std::memcpy(dst, rx_.data + off, first);
+      std::memcpy(dst + first, rx_.data, k - first);
+      head_ += k;
+      left -= k;
+      tcp_provider::consume_iov(v, k);
+    }
+    if (head_ == before) {
+      if (hung_up && !v.empty()) return make_error_code(errc::eof);
+      return std::size_t{0};
+    }
+    publish(rx_.head, head_);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // as read_now
+    if (take_flag(rx_.producer_sleeping)) ring();
+    return static_cast<std::size_t>(head_ - before);
+  }
+
   result<void> write_now(std::span<iovec>& v) noexcept override {
     if (fault) return fault;
     const std::uint64_t h = load(tx_.head);

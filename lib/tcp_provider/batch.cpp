@@ -17,26 +17,35 @@ task<result<void>> finish_now(std::error_code ec) {
 // in a frame of its own (its header is nothing next to its payload).
 constexpr std::size_t list_block_max = std::size_t(1) << 20;
 
+// Operations in one list frame at most: a quarter of what may be in flight
+// (send-queue slots), so that several frames in flight keep the stream busy
+// while the first ones complete (the target acknowledges or answers a frame
+// once it is whole). READs are not bounded by the peer's responder units
+// here: a READ_LIST takes one unit, as one READ does (its answer is one
+// frame: wire.hpp).
+std::size_t list_cap(const conn_state& s) {
+  return std::clamp<std::size_t>(s.opts.send_queue_depth / 4, 8, max_list_entries);
+}
+
+// Whether operation `o` (header `h`) may be in a list frame at all.
+bool list_eligible(const header& h, const operation& o) {
+  return (h.op == opcode::write || h.op == opcode::read_req) && !o.local.empty() && o.local.size() <= list_block_max;
+}
+
 // How many operations from `i` on (before `end`) one list frame carries:
 // WRITEs (WRITE_LIST) or READs (READ_LIST) of 1 byte to list_block_max,
-// all to the first one's rkey.
-// At most a quarter of what may be in flight (send-queue slots; for READs,
-// the peer's responder units too) goes in one frame: the target acknowledges
-// or answers a frame once it is whole, so that several frames in flight keep
-// the stream busy while the first ones complete.
+// all to the first one's rkey, at most list_cap. submit_batch's count of
+// responder units follows the same runs (a unit for each run of READs).
 std::size_t list_run(const conn_state& s, std::span<const header> hs, std::span<const operation> ops, std::size_t i,
                      std::size_t end) {
   const opcode op = hs[i].op;
   if (op != opcode::write && op != opcode::read_req) return 1;
-  std::size_t in_flight = s.opts.send_queue_depth;
-  if (op == opcode::read_req) in_flight = std::min<std::size_t>(in_flight, s.peer.max_responder_ops);
-  const std::size_t cap = std::clamp<std::size_t>(in_flight / 4, 8, max_list_entries);
+  const std::size_t cap = list_cap(s);
   std::size_t j = i;
   std::uint64_t bytes = 0;
   while (j < end && j - i < cap && hs[j].op == op && hs[j].rkey == hs[i].rkey) {
-    const std::size_t len = ops[j].local.size();
-    if (len == 0 || len > list_block_max || bytes + len > max_rdma_length) break;
-    bytes += len;
+    if (!list_eligible(hs[j], ops[j]) || bytes + ops[j].local.size() > max_rdma_length) break;
+    bytes += ops[j].local.size();
     ++j;
   }
   return j - i;
@@ -87,9 +96,27 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
     // only an empty chunk waits, so a batch never holds units while it
     // waits for more.
     std::size_t end = queued, credits_taken = 0, responders_taken = 0;
+    // The READ list frame being formed (as list_run will cut it): a READ
+    // that joins it takes no responder unit of its own.
+    std::size_t run_len = 0;
+    std::uint64_t run_bytes = 0;
     while (end < ops.size() && end - queued < max_ops) {
       const bool c = hs[end].op == opcode::send || hs[end].op == opcode::write_imm;
-      const bool rd = needs_responder(hs[end].op);
+      bool rd = needs_responder(hs[end].op);
+      if (hs[end].op == opcode::read_req && s->peer_reads_lists && list_eligible(hs[end], ops[end])) {
+        const std::size_t len = ops[end].local.size();
+        if (run_len > 0 && run_len < list_cap(*s) && hs[end - 1].op == opcode::read_req &&
+            hs[end - 1].rkey == hs[end].rkey && run_bytes + len <= max_rdma_length) {
+          rd = false;
+          ++run_len;
+          run_bytes += len;
+        } else {
+          run_len = 1;
+          run_bytes = len;
+        }
+      } else {
+        run_len = 0;
+      }
       if (!s->slots.try_acquire()) {
         if (end > queued) break;
         ++s->slot_waiters;
@@ -130,6 +157,7 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
       }
       credits_taken += c;
       responders_taken += rd;
+      recs[end].holds_responder = rd;
       ++end;
     }
     if (!early && s->error) early = s->later_error();
@@ -146,7 +174,6 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
       rec.op = h.op;
       rec.seq = h.seq = s->next_seq++;
       rec.owns_slot = true;
-      rec.holds_responder = needs_responder(h.op);
       if (h.op == opcode::read_req)
         rec.read_dst = std::span(const_cast<std::byte*>(ops[i].local.data()), ops[i].local.size());
       s->pending.push_back(&rec);

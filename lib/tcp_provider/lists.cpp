@@ -43,7 +43,8 @@ task<conn_state::action> conn_state::take_list(header h) {
   const bool write = h.op == opcode::write_list;
   const auto n = static_cast<std::size_t>(h.arg0);  // decode_header: 1..max_list_entries
   // As single READs: past our responder units the peer is not read from
-  // until responses go out (a list is answered as one response per read).
+  // until responses go out (a list is answered by one response frame, which
+  // takes one unit, as a READ's does).
   while (!write && !responder_room.is_set()) {
     auto r = co_await responder_room.wait();
     if (!r || state() != phase::open) co_return action::io;
@@ -68,11 +69,14 @@ task<conn_state::action> conn_state::take_list(header h) {
     use = grant_use(std::move(g));
   }
   std::size_t ok = 0;
-  for (; ok < n; ++ok) {
-    const list_entry& e = list_entries[ok];
-    auto target = check_access(view, e.addr, e.length, required_access(h.op), false);
-    if (!target) break;
-    list_iov[ok] = {*target, e.length};
+  const unsigned need = required_access(h.op);  // check_access's, once for the frame
+  if (view.addr && (view.access & need) == need) {
+    for (; ok < n; ++ok) {
+      const list_entry& e = list_entries[ok];
+      std::byte* target = in_region(view, e.addr, e.length);
+      if (!target) break;
+      list_iov[ok] = {target, e.length};
+    }
   }
   if (ok > 0 && write) {
     cur_use = std::move(use);
@@ -91,7 +95,7 @@ task<conn_state::action> conn_state::take_list(header h) {
     f.parts.assign(list_iov.get(), list_iov.get() + ok);
     f.hold = std::move(region);
     f.use = std::move(use);
-    f.response = static_cast<std::uint32_t>(ok);
+    f.response = 1;
     if ((responses_queued += f.response) >= our_responder_ops()) responder_room.reset();
     outq.push_back(std::move(f));
     wake_writer();

@@ -33,6 +33,10 @@ struct byte_pipe {
   // returns how many bytes (0: wait, arm_reader). Errors: protocol_error
   // (a bad index: kept in `fault`), eof (the peer hung up, nothing left).
   virtual result<std::size_t> read_now(std::span<std::byte> buf) noexcept = 0;
+  // As read_now, into `v` (consumed from its front, in place), publishing
+  // once for all of it: a list frame's payloads are many buffers, and each
+  // publish is a store to a line the peer polls and a fence.
+  virtual result<std::size_t> read_now_v(std::span<iovec>& v) noexcept = 0;
   // Copies what fits of `v` (consumed from its front, in place) and
   // publishes it. Error: protocol_error (`fault`).
   virtual result<void> write_now(std::span<iovec>& v) noexcept = 0;

@@ -223,10 +223,9 @@ result<std::size_t> conn_state::take_now(std::span<std::byte> buf) {
 result<bool> conn_state::take_now_v(std::span<iovec>& v) {
   if (pipe) [[unlikely]] {
     while (!v.empty()) {
-      auto n = pipe->read_now(std::span(static_cast<std::byte*>(v.front().iov_base), v.front().iov_len));
+      auto n = pipe->read_now_v(v);
       if (!n) return n.error();
       if (*n == 0) return false;
-      consume_iov(v, *n);
     }
     return true;
   }

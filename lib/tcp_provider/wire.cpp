@@ -144,12 +144,10 @@ result<std::byte*> check_access(const region_view& r, std::uint64_t addr, std::u
                                 bool atomic) noexcept {
   auto refuse = [] { return make_error_code(errc::remote_access_error); };
   if (!r.addr || (r.access & required) != required) return refuse();
-  const auto base = reinterpret_cast<std::uint64_t>(r.addr);
-  if (addr < base) return refuse();
-  const std::uint64_t off = addr - base;
-  if (off > r.length || len > r.length - off) return refuse();
+  std::byte* p = in_region(r, addr, len);
+  if (!p) return refuse();
   if (atomic && (len != 8 || addr % 8 != 0)) return refuse();
-  return r.addr + off;
+  return p;
 }
 
 void encode_list_entry(const list_entry& e, std::span<std::byte, list_entry_size> out) noexcept {

@@ -20,6 +20,12 @@
 // reads list frames sends first. An older peer neither sends it nor gets
 // list frames.
 //
+// Responder units (the hello's max_responder_ops) count response frames: a
+// READ_LIST takes one, as a READ does, whatever its count (its answer is
+// one READ_LIST_RESP: one queued frame at the target). An older target
+// counted a list's descriptors; past its units it only stops reading until
+// its writer has taken the responses (back-pressure, never an error).
+//
 // Everything here is pure (bytes in, values out): the connection engine and
 // the fuzz target share it, so what the fuzzer exercises is what runs.
 #pragma once
@@ -149,6 +155,17 @@ struct region_view {
   std::size_t length = 0;
   unsigned access = 0;
 };
+
+// [addr, addr+len) in `r`'s memory, or null where it is not inside `r`
+// (rights not checked). Overflow-safe. check_access's bounds; a list
+// frame's descriptors, whose right is checked once, are checked with it.
+inline std::byte* in_region(const region_view& r, std::uint64_t addr, std::uint64_t len) noexcept {
+  const auto base = reinterpret_cast<std::uint64_t>(r.addr);
+  if (!r.addr || addr < base) return nullptr;
+  const std::uint64_t off = addr - base;
+  if (off > r.length || len > r.length - off) return nullptr;
+  return r.addr + off;
+}
 
 // Checks a one-sided access to [addr, addr+len) of `r` needing `required`
 // rights (atomics also need 8-byte alignment and len == 8). Returns the

@@ -406,6 +406,74 @@ TEST_CASE("blocks (tcp engine): a READ_LIST refused at one descriptor names its 
   }());
 }
 
+// A READ_LIST takes one of the peer's responder units, as one READ does:
+// a read list of 1,000 blocks, far more than the peer's 128 units, goes as
+// frames of a quarter of the send queue (256 descriptors here), all in
+// flight at once; refused at its first, a middle or its last block, it
+// names that block, the blocks before it are read, none after it is
+// written; and the units come back (a second list and 300 atomics, each
+// holding a unit, complete after it).
+TEST_CASE("blocks (tcp engine): a read list past the peer's responder units; refused first, middle, last") {
+  std::size_t first_bad = 0;
+  SUBCASE("none") { first_bad = 1000; }
+  SUBCASE("first") { first_bad = 0; }
+  SUBCASE("middle") { first_bad = 600; }
+  SUBCASE("last") { first_bad = 999; }
+  io_context ctx;
+  ctx.run([first_bad]() -> task<void> {
+    pair_t p;
+    connection_options o;
+    o.send_queue_depth = 1024;
+    co_await make_pair(p, o);
+    if (!tcp_engine(p.client)) {
+      co_await close_pair(p);
+      co_return;
+    }
+    constexpr std::size_t n = 1000, size = 256, stride = 512;
+    auto mem = pattern(n * stride + 4096, 31);
+    auto mr = p.server_domain->register_memory(std::span(mem).first(n * stride), access::all).value();
+    co_await round_trip(p, mr);
+    std::vector<block> blocks = scattered(n, size, 5);
+    if (first_bad < n) blocks[first_bad].remote_offset = n * stride + 1024;  // past the registration
+    remote_buffer lying = mr.remote();
+    lying.length = n * stride + 4096;
+    std::vector<std::byte> back(n * stride, std::byte{0x5A});
+    const auto before = detail::tcp_list_frames();
+    auto r = co_await with_timeout(p.client.read_blocks(back, lying, blocks), 20s);
+    REQUIRE(r.has_value());  // (the timeout's result)
+    std::size_t bad = 0;
+    const std::size_t good = std::min(first_bad, n);
+    for (std::size_t i = 0; i < n; ++i) {
+      auto got = std::span(back).subspan(blocks[i].local_offset, size);
+      if (i < good)
+        bad += !std::equal(got.begin(), got.end(), mem.begin() + static_cast<std::ptrdiff_t>(blocks[i].remote_offset));
+      else
+        bad += !all_equal(got, std::byte{0x5A});
+    }
+    CHECK(bad == 0);
+    if (first_bad < n) {
+      REQUIRE_FALSE(r->has_value());
+      CHECK(matches(r->error(), errc::remote_access_error));
+      CHECK(r->failed_block() == first_bad);
+      CHECK_FALSE(p.client.is_open());
+      co_await close_pair(p);
+      co_return;
+    }
+    REQUIRE(r->has_value());
+    CHECK(detail::tcp_list_frames().sent - before.sent == 4);  // 1000 = 256 + 256 + 256 + 232
+    auto again = co_await with_timeout(p.client.read_blocks(back, mr.remote(), blocks), 20s);
+    REQUIRE(again.has_value());
+    CHECK(again->has_value());
+    auto word = mr.remote(0, 8);
+    for (int i = 0; i < 300; ++i) {
+      auto f = co_await with_timeout(p.client.fetch_and_add(word, 1), 20s);
+      REQUIRE(f.has_value());
+    }
+    CHECK(p.client.is_open());
+    co_await close_pair(p);
+  }());
+}
+
 // ---------------------------------------------------------------- striping
 
 namespace {

@@ -10,6 +10,7 @@
 #include "local_common.hpp"
 #include "local_wire.hpp"
 #include "stats.hpp"
+#include "../tcp_provider/stats.hpp"  // tcp_list_frames
 #include "wire.hpp"
 
 #include <shuttle/local.hpp>
@@ -592,5 +593,123 @@ TEST_CASE("idle_timeout: a silent connection fails with errc::idle_timeout, a bu
     CHECK(busy.server.is_open());
     co_await close_lpair(busy);
     co_await close_lpair(idle);
+  }());
+}
+
+// Block lists on a shared region: every block a memcpy on the mapping (no
+// frame through the engine), written then read back; a block the region's
+// answer refuses (past the registration, inside what the remote_buffer
+// claims: the list's own checks pass) stops the in-place run there and goes
+// to the engine, which refuses it: the list fails naming that block, the
+// blocks before it are in place, none after it (valid ones), nothing past
+// the registration is touched, and the connection fails (RC).
+TEST_CASE("shared region: block lists on the mapping; a refused block at the start, middle or end names its index") {
+  std::size_t first_bad = 0;
+  SUBCASE("first") { first_bad = 0; }
+  SUBCASE("middle") { first_bad = 117; }
+  SUBCASE("last") { first_bad = 299; }
+  SUBCASE("none") { first_bad = 300; }
+  io_context ctx;
+  ctx.run([first_bad]() -> task<void> {
+    lpair p;
+    co_await make_lpair(p);
+    constexpr std::size_t n = 300, size = 1000, stride = 2048, registered = n * stride;
+    auto mem = shared_memory::allocate(registered + 8192).value();
+    auto mr = p.sd->register_memory(mem.span().first(registered), access::all).value();
+    auto rb = mr.remote();
+    REQUIRE(co_await until_direct(p.client, rb.slice(0, 8).value(), pattern(8, 3)));
+    std::fill_n(mem.data(), mem.size(), std::byte{0x5A});
+    rb.length = registered + 8192;  // claims more than was registered
+    auto src = pattern(registered, 11);
+    std::vector<block> blocks;
+    for (std::uint64_t i = 0; i < n; ++i) blocks.push_back({i * stride, i == first_bad ? registered + 4096 : i * stride, size});
+    const auto direct_before = direct_count();
+    const auto frames_before = detail::tcp_list_frames();
+    auto r = co_await p.client.write_blocks(src, rb, blocks);
+    std::size_t bad = 0;
+    if (first_bad == n) {
+      REQUIRE(r.has_value());
+      CHECK(direct_count() - direct_before == n);  // one memcpy per block
+      CHECK(detail::tcp_list_frames().sent == frames_before.sent);  // nothing through the engine
+      for (std::size_t i = 0; i < n; ++i)
+        bad += std::memcmp(mem.data() + i * stride, src.data() + i * stride, size) != 0;
+      CHECK(bad == 0);
+      std::vector<std::byte> back(registered, std::byte{0});
+      auto rr = co_await p.client.read_blocks(back, rb, blocks);
+      REQUIRE(rr.has_value());
+      CHECK(direct_count() - direct_before == 2 * n);
+      for (std::size_t i = 0; i < n; ++i)
+        bad += std::memcmp(back.data() + i * stride, src.data() + i * stride, size) != 0;
+      CHECK(bad == 0);
+      CHECK(p.client.is_open());
+      co_await close_lpair(p);
+      co_return;
+    }
+    REQUIRE_FALSE(r.has_value());
+    CHECK(matches(r.error(), errc::remote_access_error));
+    CHECK(r.failed_block() == first_bad);
+    CHECK(direct_count() - direct_before == first_bad);  // the ones before it, on the mapping
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::byte* got = mem.data() + i * stride;
+      if (i < first_bad)
+        bad += std::memcmp(got, src.data() + i * stride, size) != 0;
+      else
+        bad += !std::all_of(got, got + size, [](std::byte b) { return b == std::byte{0x5A}; });
+    }
+    CHECK(bad == 0);
+    const std::byte* past = mem.data() + registered;
+    CHECK(std::all_of(past, past + 8192, [](std::byte b) { return b == std::byte{0x5A}; }));
+    CHECK_FALSE(p.client.is_open());
+    co_await close_lpair(p);
+  }());
+}
+
+// A list to a key not answered yet goes through the engine and asks for
+// it (nothing else would: a batch does not wait for answers without GPU
+// hooks); a later list is done in place. A batch that mixes: the writes
+// before its send are done in place, the send and what follows it go
+// through the engine, in order (the message arrives after every write).
+TEST_CASE("shared region: a list asks for its key; a mixed batch is in place up to its first send") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    lpair p;
+    co_await make_lpair(p);
+    auto mem = shared_memory::allocate(1 << 16).value();
+    auto mr = p.sd->register_memory(mem.span(), access::all).value();
+    auto rb = mr.remote();
+    auto src = pattern(1 << 16, 5);
+    std::vector<block> blocks;
+    for (std::uint64_t i = 0; i < 16; ++i) blocks.push_back({i * 4096, (15 - i) * 4096, 2048});
+    const auto d0 = direct_count();
+    REQUIRE((co_await p.client.write_blocks(src, rb, blocks)).has_value());
+    CHECK(direct_count() == d0);  // through the engine, the key asked for
+    bool in_place = false;
+    for (int i = 0; i < 5000 && !in_place; ++i) {
+      const auto d = direct_count();
+      REQUIRE((co_await p.client.write_blocks(src, rb, blocks)).has_value());
+      in_place = direct_count() - d == blocks.size();
+      if (!in_place) (void)co_await sleep_for(1ms);
+    }
+    CHECK(in_place);
+    std::size_t bad = 0;
+    for (const block& b : blocks)
+      bad += std::memcmp(mem.data() + b.remote_offset, src.data() + b.local_offset, b.length) != 0;
+    CHECK(bad == 0);
+
+    std::fill_n(mem.data(), mem.size(), std::byte{0});
+    const char hello[] = "after the writes";
+    std::array<operation, 4> ops{operation::write(std::span(src).subspan(0, 100), rb.slice(0, 100).value()),
+                                 operation::write(std::span(src).subspan(100, 100), rb.slice(100, 100).value()),
+                                 operation::send(std::as_bytes(std::span(hello))),
+                                 operation::write(std::span(src).subspan(200, 100), rb.slice(200, 100).value())};
+    const auto d1 = direct_count();
+    REQUIRE((co_await p.client.post_batch(ops)).has_value());
+    CHECK(direct_count() - d1 == 2);
+    auto m = co_await with_timeout(p.server.recv(), deadline);
+    REQUIRE(m.has_value());
+    CHECK(m->size() == sizeof hello);
+    CHECK(std::memcmp(mem.data(), src.data(), 300) == 0);
+    CHECK(p.client.is_open());
+    co_await close_lpair(p);
   }());
 }
