@@ -4,7 +4,7 @@
 //   disk --read_into--> GPU (sender) --staged channel, tcp provider--> GPU (receiver)
 //
 // The file is read in pieces (`--piece-mib`, each one read_into with its
-// chunks in flight) by one reader, or two taking turns (--readers 2); each
+// chunks in flight) by two readers taking turns (--readers 1: one); each
 // piece goes on the wire (one staged transfer, its chunks checksummed on
 // the sender's GPU by the producer) as soon as it has landed, while the
 // next ones are read. The receiver checksums every chunk on its GPU after
@@ -22,7 +22,7 @@
 // read's own copies once enough streams exist -- so the flag was never set
 // (the run hung on the H100, 2026-12-05).
 //
-//   shuttle-weights-push [FILE] [--mib 2048] [--piece-mib 32] [--chunk-kib 2048] [--rounds 1] [--readers 1]
+//   shuttle-weights-push [FILE] [--mib 2048] [--piece-mib 32] [--chunk-kib 2048] [--rounds 1] [--readers 2]
 //
 // --rounds N repeats the three runs N times, their order rotating, and
 // reports each round's ratio and the median: a disk's speed can move by 2x
@@ -94,7 +94,7 @@ void drop_cache(const std::string& path) {
 
 int main(int argc, char** argv) {
   std::string path = "weights_push.dat";
-  std::size_t mib = 2048, piece_mib = 32, chunk_kib = 2048, rounds = 1, readers = 1;
+  std::size_t mib = 2048, piece_mib = 32, chunk_kib = 2048, rounds = 1, readers = 2;
   CLI::App app{"Reads a file into GPU memory and pushes it to a peer over the tcp provider while the rest is read; "
                "checksums verified per chunk.",
                "shuttle-weights-push"};
@@ -104,7 +104,7 @@ int main(int argc, char** argv) {
   app.add_option("--mib", mib, "size of a created file (default 2048)")->transform(cli::count(1, 1u << 20));
   app.add_option("--piece-mib", piece_mib, "MiB per read_into (default 32)")->transform(cli::count(1, 1u << 14));
   app.add_option("--chunk-kib", chunk_kib, "KiB per network chunk (default 2048)")->transform(cli::count(4, 1u << 20));
-  app.add_option("--readers", readers, "1, or 2 gpu_files taking turns on the pieces (default 1)")
+  app.add_option("--readers", readers, "2 gpu_files taking turns on the pieces (default), or 1")
       ->transform(cli::count(1, 2));
   app.add_option("--rounds", rounds, "pipelined run and bounds, N times in rotating order (default 1)")
       ->transform(cli::count(1, 100));
@@ -161,16 +161,16 @@ int main(int argc, char** argv) {
   cuda::check(cudaMalloc(reinterpret_cast<void**>(&sums), 2 * chunks * 8), "cudaMalloc");
   cuda::check(cudaMemset(sums, 0, 2 * chunks * 8), "cudaMemset");
 
-  // The pipelined run: a reader (or two, each on its own gpu_file, taking
-  // turns: --readers 2) reads the pieces, never waiting for the network
-  // (the whole file has its place in GPU memory), and hands each one over
+  // The pipelined run: two readers (each on its own gpu_file, taking turns;
+  // --readers 1: one) read the pieces, never waiting for the network
+  // (the whole file has its place in GPU memory), and hand each one over
   // as it lands; the pusher sends each piece once it is there. An earlier
   // version read piece p+1 and sent piece p in lockstep, so each piece cost
   // the slower of the two plus the hand-over (0.72-0.83 of min(disk,
   // network) on the H100 machine, 2026-12-06). One reader drains the
   // disk's queue at the end of every piece, since a gpu_file runs one
-  // read_into at a time (0.77-0.97, median 0.84, docs/measurements.md);
-  // two keep it busy (not measured yet).
+  // read_into at a time; two keep it busy (H100 machine, 2026-12-07:
+  // medians 0.87-0.97 with two, 0.84-0.85 with one; docs/measurements.md).
   std::optional<cuda::gpu_file> f2;
   if (readers == 2) {
     auto g = cuda::gpu_file::open(path);
