@@ -9,7 +9,12 @@
 // Both peers run in this process on one loop; the initiator writes through
 // its own mapping of the target's memfd, as a peer process would.
 // `--peer`: the peers in two processes (for bench/local/ucx_compare.sh).
-// Usage: local_bench [seconds per measurement, default 1] | --peer [seconds]
+// The latency rows run with io_context::options::ring_spin_budget set on
+// both sides (the loops poll the rings instead of sleeping, as ucx_perftest
+// busy-polls); `--peer`'s third argument sets it for the whole run (0: the
+// loops sleep, a doorbell per message).
+// Usage: local_bench [seconds per measurement, default 1]
+//        | --peer [seconds] [spin budget in us, default 1000]
 #include <shuttle/local.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
@@ -32,6 +37,15 @@ using bench_clock = std::chrono::steady_clock;
 namespace {
 
 double seconds_per_run = 1.0;
+// The latency rows' ring_spin_budget, on both sides.
+std::chrono::microseconds spin_budget{1000};
+
+// Sets the running loop's ring_spin_budget for its lifetime, then puts back the old one.
+struct spinning {
+  std::chrono::nanoseconds old = io_context::current().ring_spin_budget();
+  explicit spinning(std::chrono::nanoseconds b) { io_context::current().set_ring_spin_budget(b); }
+  ~spinning() { io_context::current().set_ring_spin_budget(old); }
+};
 
 struct peer_pair {
   std::optional<domain> sd, cd;
@@ -185,6 +199,7 @@ task<void> measure_two_sided(two_sided& out, transport_kind k, bool rings) {
   co_await when_all(
       [&]() -> task<void> { co_await echo(p.server); }(),
       [&]() -> task<void> {
+        spinning spin(spin_budget);  // one loop: both sides
         out.lat8 = co_await pingpong_ns(p.client, 8);
         out.lat4k = co_await pingpong_ns(p.client, 4096);
         (void)co_await p.client.send({});
@@ -208,6 +223,9 @@ task<void> measure_two_sided(two_sided& out, transport_kind k, bool rings) {
 // echoes messages; this process measures. Prints `name value` lines.
 int peer_main(int argc, char** argv) {
   if (argc > 2) seconds_per_run = std::max(0.05, std::atof(argv[2]));
+  if (argc > 3) spin_budget = std::chrono::microseconds(std::strtoul(argv[3], nullptr, 10));
+  io_context::options lo;
+  lo.ring_spin_budget = spin_budget;  // both processes, the whole run
   int pfd[2];
   if (::pipe(pfd) != 0) return 1;
   const pid_t child = ::fork();
@@ -215,7 +233,7 @@ int peer_main(int argc, char** argv) {
   domain_options o;
   o.kind = transport_kind::local;
   if (child == 0) {
-    io_context cctx;
+    io_context cctx(lo);
     cctx.run([&]() -> task<void> {
       auto d = domain::open(o).value();
       auto l = d.listen(endpoint::loopback(0)).value();
@@ -234,8 +252,9 @@ int peer_main(int argc, char** argv) {
   }
   std::uint16_t port = 0;
   if (::read(pfd[0], &port, sizeof port) != sizeof port) return 1;
-  io_context ctx;
+  io_context ctx(lo);
   double bw = 0, lat = 0, rtt = 0;
+  std::uint64_t sleeps = 0, msgs = 0;
   ctx.run([&]() -> task<void> {
     auto d = domain::open(o).value();
     auto c = (co_await d.connect(endpoint::loopback(port))).value();
@@ -244,7 +263,11 @@ int peer_main(int argc, char** argv) {
     m.reset();
     bw = co_await write_gbps(c, rb, 1 << 20, 1);
     lat = co_await write_lat_ns(c, rb.slice(0, 8).value());
+    const auto s0 = ctx.loop_sleeps();
+    const auto t0 = bench_clock::now();
     rtt = co_await pingpong_ns(c, 8);
+    sleeps = ctx.loop_sleeps() - s0;
+    msgs = std::uint64_t(std::chrono::duration<double>(bench_clock::now() - t0).count() * 1e9 / rtt);
     (void)co_await c.send({});
     (void)co_await c.close();
   }());
@@ -252,6 +275,10 @@ int peer_main(int argc, char** argv) {
   ::waitpid(child, &status, 0);
   std::printf("write_bw_1MiB_MBps %.1f\nwrite_lat_8B_us %.4f\nsend_lat_8B_us %.4f\n", bw * 1e3, lat / 1e3,
               rtt / 2e3);
+  // The measuring side's sleeps per round trip in the ping-pong (about 1
+  // with no spin budget, about 0 when the loops poll the rings).
+  std::printf("spin_budget_us %lld\nsleeps_per_rtt %.3f\n", static_cast<long long>(spin_budget.count()),
+              msgs ? double(sleeps) / double(msgs) : 0.0);
   return 0;
 }
 
@@ -299,6 +326,7 @@ int main(int argc, char** argv) {
               local_bw / tcp_bw);
   std::printf("local write_lat 8 B:              %8.1f ns (target <= 1000)\n", local_lat);
   std::printf("tcp   write_lat 8 B:              %8.1f ns  (%.0fx local)\n", tcp_lat, tcp_lat / local_lat);
+  std::printf("(round trips: ring_spin_budget %lld us on the loop)\n", static_cast<long long>(spin_budget.count()));
   std::printf("send/recv round trip, 8 B:   rings %7.2f us  socket %7.2f us  tcp %7.2f us  (rings = %.2fx socket)\n",
               rings.lat8 / 1e3, sock.lat8 / 1e3, tcp.lat8 / 1e3, rings.lat8 / sock.lat8);
   std::printf("send/recv round trip, 4 KiB: rings %7.2f us  socket %7.2f us  tcp %7.2f us  (rings = %.2fx socket)\n",

@@ -6,12 +6,16 @@
 #   ucx_perftest -t ucp_put_lat (8 B)    vs write_lat 8 B
 #   ucx_perftest -t ucp_am_lat  (8 B)    vs send/recv 8 B (half a round trip, as ucx_perftest reports)
 #   (and ucp_tag_lat, printed for reference)
-# UCX_TLS=sm,self. A benchmark script only: it may install ucx-utils
+# UCX_TLS=sm,self. ucx_perftest busy-polls; so do both local_bench
+# processes here (io_context::options::ring_spin_budget, SPIN_US, default
+# 1000 us: the loops poll the rings, no doorbells). The row "no spin" is the
+# default set-up (loops sleep; a doorbell per message). A benchmark script only: it may install ucx-utils
 # (apt-get), never run in CI or the tests.
 # Usage: bench/local/ucx_compare.sh [build dir, default build-rel] [seconds per local figure, default 1]
 set -euo pipefail
 build=${1:-build-rel}
 secs=${2:-1}
+spin_us=${SPIN_US:-1000}
 bench="$build/bench/local/local_bench"
 [[ -x $bench ]] || { echo "no $bench: build it first (meson -Dbench=true)" >&2; exit 1; }
 if ! command -v ucx_perftest >/dev/null; then
@@ -43,12 +47,15 @@ read -r ucx_am_lat _ < <(ucx ucp_am_lat 8 200000 $((port + 2)))
 read -r ucx_tag_lat _ < <(ucx ucp_tag_lat 8 200000 $((port + 3)))
 
 declare -A ours
-while read -r k v; do ours[$k]=$v; done < <("$bench" --peer "$secs")
+while read -r k v; do ours[$k]=$v; done < <("$bench" --peer "$secs" "$spin_us")
+declare -A nospin
+while read -r k v; do nospin[$k]=$v; done < <("$bench" --peer "$secs" 0)
 declare -A sock
-while read -r k v; do sock[$k]=$v; done < <(SHUTTLE_LOCAL_RINGS=0 "$bench" --peer "$secs")
+while read -r k v; do sock[$k]=$v; done < <(SHUTTLE_LOCAL_RINGS=0 "$bench" --peer "$secs" 0)
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 == 0) print "nan"; else printf "%.2f", a / b }'; }
-echo "date: $(date -u +%F) host: $(nproc) cores; UCX $(ucx_info -v 2>/dev/null | head -1 | sed 's/^# *//')"
+echo "date: $(date -u +%F) host: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); UCX $(ucx_info -v 2>/dev/null | head -1 | sed 's/^# *//')"
+echo "shuttle: ring_spin_budget ${ours[spin_budget_us]} us on both sides (sleeps per round trip: ${ours[sleeps_per_rtt]}); UCX busy-polls"
 printf '%-34s %12s %12s %8s %s\n' "" "shuttle" "UCX sm" "ratio" "target"
 printf '%-34s %12s %12s %8s %s\n' "put/write bw 1 MiB (MB/s)" "${ours[write_bw_1MiB_MBps]}" "$ucx_bw" \
   "$(ratio "${ours[write_bw_1MiB_MBps]}" "$ucx_bw")" ">= 1.0"
@@ -56,6 +63,8 @@ printf '%-34s %12s %12s %8s %s\n' "put/write lat 8 B (us)" "${ours[write_lat_8B_
   "$(ratio "${ours[write_lat_8B_us]}" "$ucx_put_lat")" "<= 1.0"
 printf '%-34s %12s %12s %8s %s\n' "send lat 8 B, rings (us)" "${ours[send_lat_8B_us]}" "$ucx_am_lat" \
   "$(ratio "${ours[send_lat_8B_us]}" "$ucx_am_lat")" "<= 1.0 (vs ucp_am_lat)"
+printf '%-34s %12s %12s %8s %s\n' "send lat 8 B, rings, no spin (us)" "${nospin[send_lat_8B_us]}" "$ucx_am_lat" \
+  "$(ratio "${nospin[send_lat_8B_us]}" "$ucx_am_lat")" "(loops sleep: a doorbell each)"
 printf '%-34s %12s %12s %8s %s\n' "send lat 8 B, socket path (us)" "${sock[send_lat_8B_us]}" "$ucx_am_lat" \
   "$(ratio "${sock[send_lat_8B_us]}" "$ucx_am_lat")" "(SHUTTLE_LOCAL_RINGS=0)"
 printf '%-34s %12s %12s\n' "ucp_tag_lat 8 B (us)" "" "$ucx_tag_lat"

@@ -58,8 +58,10 @@ bool take_flag(std::uint32_t* f) noexcept {
   std::atomic_ref<std::uint32_t> a(*f);
   return a.load(std::memory_order_relaxed) != 0 && a.exchange(0, std::memory_order_relaxed) != 0;
 }
+// Relaxed: the order that matters (our flag before our next look at the
+// peer's index) is the seq_cst fence's in arm_reader/arm_writer.
 void set_flag(std::uint32_t* f, std::uint32_t v) noexcept {
-  std::atomic_ref<std::uint32_t>(*f).store(v, std::memory_order_seq_cst);
+  std::atomic_ref<std::uint32_t>(*f).store(v, std::memory_order_relaxed);
 }
 
 class ring_pipe final : public tcp_provider::byte_pipe {
@@ -117,6 +119,8 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     return {};
   }
 
+  // The loop is about to sleep (byte_pipe::try_enter_interrupt_mode).
+  // Dekker with write_now: flag, fence, look; it publishes, fences, looks.
   bool arm_reader() noexcept override {
     if (fault) return false;
     set_flag(rx_.consumer_sleeping, 1);
@@ -134,6 +138,7 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     return false;
   }
   bool readable_now() const noexcept override { return load(rx_.tail) != head_; }
+  bool writable_now() const noexcept override { return load(tx_.head) != seen_head_; }
   void disarm_reader() noexcept override { set_flag(rx_.consumer_sleeping, 0); }
   void disarm_writer() noexcept override { set_flag(tx_.producer_sleeping, 0); }
 

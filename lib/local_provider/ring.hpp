@@ -21,9 +21,12 @@
 // (the engine's reader), so a peer that changes them meanwhile only sends
 // garbage, which the engine's checks refuse.
 //
-// A sleeper sets its flag, looks again, then sleeps in io_uring on the
-// socket; the other side, after publishing, rings (one byte on the socket)
-// only if the flag was set: no syscall per message while both are awake.
+// The flags are set only by a loop about to sleep (the pipe is a poller of
+// its loop while the engine waits on it, tcp_provider/pipe.hpp): it sets
+// its flag, fences, looks again, then sleeps in io_uring on the socket; the
+// other side publishes, fences, and rings (one byte on the socket) only if
+// the flag was set. A loop that is awake, or spinning, takes the bytes from
+// shared memory: no syscall on either side.
 #pragma once
 
 #include "../tcp_provider/pipe.hpp"
