@@ -138,7 +138,7 @@ namespace {
 // The sleep/wake hammer's message i: its index, then pattern bytes; small
 // ones (a ping-pong) and, every `stream_every`-th block, larger than a ring
 // (the producer then waits for room).
-constexpr std::uint64_t hammer_messages = 40000, stream_every = 8, block = 64;
+constexpr std::uint64_t hammer_messages = 40000, stream_every = 16, block = 64;
 bool streaming(std::uint64_t i) { return (i / block) % stream_every == stream_every - 1; }
 std::size_t hammer_size(std::uint64_t i) {
   return streaming(i) ? lp::ring_capacity + 4096 + (i * 131) % 4096 : 8 + (i * 7) % 56;
