@@ -14,11 +14,13 @@
 // busy-polls); `--peer`'s third argument sets it for the whole run (0: the
 // loops sleep, a doorbell per message).
 // Usage: local_bench [seconds per measurement, default 1] [spin budget in us, default 1000]
-//        | --peer [seconds] [spin budget in us, default 1000]
+//        | --peer [seconds] [spin budget in us, default 1000] [pin: 1 puts the
+//          server on CPU 0 and the measuring side on CPU 1, as ucx_compare.sh PIN=1]
 #include <shuttle/local.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -224,6 +226,7 @@ task<void> measure_two_sided(two_sided& out, transport_kind k, bool rings) {
 int peer_main(int argc, char** argv) {
   if (argc > 2) seconds_per_run = std::max(0.05, std::atof(argv[2]));
   if (argc > 3) spin_budget = std::chrono::microseconds(std::strtoul(argv[3], nullptr, 10));
+  const bool pin = argc > 4 && std::atoi(argv[4]) != 0;
   io_context::options lo;
   lo.ring_spin_budget = spin_budget;  // both processes, the whole run
   int pfd[2];
@@ -232,7 +235,16 @@ int peer_main(int argc, char** argv) {
   if (child < 0) return 1;
   domain_options o;
   o.kind = transport_kind::local;
+  // Two spinning loops on one core take turns by time slices: pinned, each has its own.
+  auto pin_to = [pin](int cpu) {
+    if (!pin) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (::sched_setaffinity(0, sizeof set, &set) != 0) std::perror("sched_setaffinity");
+  };
   if (child == 0) {
+    pin_to(0);
     io_context cctx(lo);
     cctx.run([&]() -> task<void> {
       auto d = domain::open(o).value();
@@ -250,6 +262,7 @@ int peer_main(int argc, char** argv) {
     }());
     std::_Exit(0);
   }
+  pin_to(1);
   std::uint16_t port = 0;
   if (::read(pfd[0], &port, sizeof port) != sizeof port) return 1;
   io_context ctx(lo);
