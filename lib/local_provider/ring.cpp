@@ -95,10 +95,12 @@ class ring_pipe final : public tcp_provider::byte_pipe {
 
   result<void> write_now(std::span<iovec>& v) noexcept override {
     if (fault) return fault;
-    const std::uint64_t h = load(tx_.head);
-    if (h - seen_head_ > tail_ - seen_head_) return bad();  // backwards, or past what we published
-    seen_head_ = h;
-    std::uint64_t room = cap - (tail_ - h);
+    // The peer's head only when the room we know of is short: it is the
+    // line the peer writes on every read (a cache miss per look).
+    std::uint64_t want = 0;
+    for (const iovec& e : v) want += e.iov_len;
+    if (cap - (tail_ - seen_head_) < want && !refresh_head()) return fault;
+    std::uint64_t room = cap - (tail_ - seen_head_);
     const std::uint64_t before = tail_;
     while (!v.empty() && room > 0) {
       const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, v.front().iov_len));
@@ -133,7 +135,7 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     if (fault) return false;
     set_flag(tx_.producer_sleeping, 1);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (load(tx_.head) == seen_head_) return true;
+    if (load(tx_.head) == seen_head_) return true;  // seen_head_ is fresh: write_now found no room
     set_flag(tx_.producer_sleeping, 0);
     return false;
   }
@@ -143,6 +145,17 @@ class ring_pipe final : public tcp_provider::byte_pipe {
   void disarm_writer() noexcept override { set_flag(tx_.producer_sleeping, 0); }
 
  private:
+  // Loads and checks the peer's head: false (and `fault`) if it went
+  // backwards or past what we published.
+  bool refresh_head() noexcept {
+    const std::uint64_t h = load(tx_.head);
+    if (h - seen_head_ > tail_ - seen_head_) {
+      bad();
+      return false;
+    }
+    seen_head_ = h;
+    return true;
+  }
   std::error_code bad() noexcept {
     fault = make_error_code(errc::protocol_error);
     return fault;
