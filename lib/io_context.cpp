@@ -433,6 +433,7 @@ void io_context::run_until(const bool& done, bool stoppable) {
     // 2. What the pollers woke runs now, not after this turn's ring checks.
     if (!pollers_.empty() && poll_pollers()) {
       work = true;
+      spin.reaped_completions();  // a poller's completion extends the ring budget as the ring's do
       run_ready();
     }
     if (done) break;

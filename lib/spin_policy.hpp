@@ -2,8 +2,8 @@
 // busy-polling or may sleep in the ring. The loop spins while
 //  - it has pollers and the last turn that did work (remote work or a
 //    poller's) is less than options::spin_budget ago, or
-//  - the last turn that reaped ring completions is less than
-//    options::ring_spin_budget ago.
+//  - the last turn that reaped ring completions, or whose pollers did
+//    work, is less than options::ring_spin_budget ago.
 //
 // Time is read on a cheap clock (spin_clock), and even so only once every
 // `clock_every` spinning turns: a spinning turn must cost little more than
@@ -62,7 +62,8 @@ class basic_spin_policy {
   // to do (a periodic safety net for kernels that report no task work).
   [[gnu::always_inline]] bool enter_due() const noexcept { return turn_ % enter_every == 0; }
 
-  // A spinning turn reaped ring completions: they extend the ring budget.
+  // A turn reaped ring completions (or its pollers did work): they extend
+  // the ring budget.
   [[gnu::always_inline]] void reaped_completions() noexcept {
     if (ring_budget() > 0) completion_unstamped_ = true;
   }

@@ -9,11 +9,18 @@
 // Both peers run in this process on one loop; the initiator writes through
 // its own mapping of the target's memfd, as a peer process would.
 // `--peer`: the peers in two processes (for bench/local/ucx_compare.sh).
-// Usage: local_bench [seconds per measurement, default 1] | --peer [seconds]
+// The latency rows run with io_context::options::ring_spin_budget set on
+// both sides (the loops poll the rings instead of sleeping, as ucx_perftest
+// busy-polls); `--peer`'s third argument sets it for the whole run (0: the
+// loops sleep, a doorbell per message).
+// Usage: local_bench [seconds per measurement, default 1] [spin budget in us, default 1000]
+//        | --peer [seconds] [spin budget in us, default 1000] [pin: 1 puts the
+//          server on CPU 0 and the measuring side on CPU 1, as ucx_compare.sh PIN=1]
 #include <shuttle/local.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
 
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -32,6 +39,15 @@ using bench_clock = std::chrono::steady_clock;
 namespace {
 
 double seconds_per_run = 1.0;
+// The latency rows' ring_spin_budget, on both sides.
+std::chrono::microseconds spin_budget{1000};
+
+// Sets the running loop's ring_spin_budget for its lifetime, then puts back the old one.
+struct spinning {
+  std::chrono::nanoseconds old = io_context::current().ring_spin_budget();
+  explicit spinning(std::chrono::nanoseconds b) { io_context::current().set_ring_spin_budget(b); }
+  ~spinning() { io_context::current().set_ring_spin_budget(old); }
+};
 
 struct peer_pair {
   std::optional<domain> sd, cd;
@@ -185,6 +201,7 @@ task<void> measure_two_sided(two_sided& out, transport_kind k, bool rings) {
   co_await when_all(
       [&]() -> task<void> { co_await echo(p.server); }(),
       [&]() -> task<void> {
+        spinning spin(spin_budget);  // one loop: both sides
         out.lat8 = co_await pingpong_ns(p.client, 8);
         out.lat4k = co_await pingpong_ns(p.client, 4096);
         (void)co_await p.client.send({});
@@ -208,14 +225,27 @@ task<void> measure_two_sided(two_sided& out, transport_kind k, bool rings) {
 // echoes messages; this process measures. Prints `name value` lines.
 int peer_main(int argc, char** argv) {
   if (argc > 2) seconds_per_run = std::max(0.05, std::atof(argv[2]));
+  if (argc > 3) spin_budget = std::chrono::microseconds(std::strtoul(argv[3], nullptr, 10));
+  const bool pin = argc > 4 && std::atoi(argv[4]) != 0;
+  io_context::options lo;
+  lo.ring_spin_budget = spin_budget;  // both processes, the whole run
   int pfd[2];
   if (::pipe(pfd) != 0) return 1;
   const pid_t child = ::fork();
   if (child < 0) return 1;
   domain_options o;
   o.kind = transport_kind::local;
+  // Two spinning loops on one core take turns by time slices: pinned, each has its own.
+  auto pin_to = [pin](int cpu) {
+    if (!pin) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (::sched_setaffinity(0, sizeof set, &set) != 0) std::perror("sched_setaffinity");
+  };
   if (child == 0) {
-    io_context cctx;
+    pin_to(0);
+    io_context cctx(lo);
     cctx.run([&]() -> task<void> {
       auto d = domain::open(o).value();
       auto l = d.listen(endpoint::loopback(0)).value();
@@ -232,10 +262,12 @@ int peer_main(int argc, char** argv) {
     }());
     std::_Exit(0);
   }
+  pin_to(1);
   std::uint16_t port = 0;
   if (::read(pfd[0], &port, sizeof port) != sizeof port) return 1;
-  io_context ctx;
+  io_context ctx(lo);
   double bw = 0, lat = 0, rtt = 0;
+  std::uint64_t sleeps = 0, msgs = 0;
   ctx.run([&]() -> task<void> {
     auto d = domain::open(o).value();
     auto c = (co_await d.connect(endpoint::loopback(port))).value();
@@ -244,14 +276,23 @@ int peer_main(int argc, char** argv) {
     m.reset();
     bw = co_await write_gbps(c, rb, 1 << 20, 1);
     lat = co_await write_lat_ns(c, rb.slice(0, 8).value());
+    const auto s0 = ctx.loop_sleeps();
+    const auto t0 = bench_clock::now();
     rtt = co_await pingpong_ns(c, 8);
+    sleeps = ctx.loop_sleeps() - s0;
+    msgs = std::uint64_t(std::chrono::duration<double>(bench_clock::now() - t0).count() * 1e9 / rtt);
     (void)co_await c.send({});
     (void)co_await c.close();
   }());
   int status = 0;
   ::waitpid(child, &status, 0);
-  std::printf("write_bw_1MiB_MBps %.1f\nwrite_lat_8B_us %.4f\nsend_lat_8B_us %.4f\n", bw * 1e3, lat / 1e3,
-              rtt / 2e3);
+  // Bandwidth in MiB/s: ucx_perftest's "MB/s" are 2^20 bytes a second.
+  std::printf("write_bw_1MiB_MiBps %.1f\nwrite_lat_8B_us %.4f\nsend_lat_8B_us %.4f\n", bw * 1e9 / 1048576.0,
+              lat / 1e3, rtt / 2e3);
+  // The measuring side's sleeps per round trip in the ping-pong (about 1
+  // with no spin budget, about 0 when the loops poll the rings).
+  std::printf("spin_budget_us %lld\nsleeps_per_rtt %.3f\n", static_cast<long long>(spin_budget.count()),
+              msgs ? double(sleeps) / double(msgs) : 0.0);
   return 0;
 }
 
@@ -260,6 +301,7 @@ int peer_main(int argc, char** argv) {
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--peer") == 0) return peer_main(argc, argv);
   if (argc > 1) seconds_per_run = std::max(0.05, std::atof(argv[1]));
+  if (argc > 2) spin_budget = std::chrono::microseconds(std::strtoul(argv[2], nullptr, 10));
   constexpr std::size_t size = 1 << 20;
   io_context ctx;
   double local_bw = 0, tcp_bw = 0, local_lat = 0, tcp_lat = 0;
@@ -299,6 +341,7 @@ int main(int argc, char** argv) {
               local_bw / tcp_bw);
   std::printf("local write_lat 8 B:              %8.1f ns (target <= 1000)\n", local_lat);
   std::printf("tcp   write_lat 8 B:              %8.1f ns  (%.0fx local)\n", tcp_lat, tcp_lat / local_lat);
+  std::printf("(round trips: ring_spin_budget %lld us on the loop)\n", static_cast<long long>(spin_budget.count()));
   std::printf("send/recv round trip, 8 B:   rings %7.2f us  socket %7.2f us  tcp %7.2f us  (rings = %.2fx socket)\n",
               rings.lat8 / 1e3, sock.lat8 / 1e3, tcp.lat8 / 1e3, rings.lat8 / sock.lat8);
   std::printf("send/recv round trip, 4 KiB: rings %7.2f us  socket %7.2f us  tcp %7.2f us  (rings = %.2fx socket)\n",

@@ -45,10 +45,12 @@ class io_context : private detail::uring_backend {
     // that did work, before it arms them and sleeps in the ring.
     std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
     // How long the loop keeps polling the ring itself (io_uring_get_events,
-    // no sleep) after the last completion, pollers or not. A sleeping loop
-    // pays a wake-up per completion; latency-bound users that can spare a
-    // core (a ping-pong over the tcp provider) set this. 0: sleep as soon
-    // as nothing is ready. Figures: docs/measurements.md.
+    // no sleep) and every poller after the last completion (the ring's, or
+    // work a poller did), pollers or not. A sleeping loop pays a wake-up
+    // per completion; latency-bound users that can spare a core (a
+    // ping-pong over the tcp provider, or over the local provider's rings,
+    // which are pollers that do not spin by themselves) set this. 0: sleep
+    // as soon as nothing is ready. Figures: docs/measurements.md.
     std::chrono::nanoseconds ring_spin_budget{0};
     // Slots in the ring's registered-file table, made on the first
     // register_file() and capped by RLIMIT_NOFILE. 0: none (register_file

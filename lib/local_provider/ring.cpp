@@ -58,8 +58,10 @@ bool take_flag(std::uint32_t* f) noexcept {
   std::atomic_ref<std::uint32_t> a(*f);
   return a.load(std::memory_order_relaxed) != 0 && a.exchange(0, std::memory_order_relaxed) != 0;
 }
+// Relaxed: the order that matters (our flag before our next look at the
+// peer's index) is the seq_cst fence's in arm_reader/arm_writer.
 void set_flag(std::uint32_t* f, std::uint32_t v) noexcept {
-  std::atomic_ref<std::uint32_t>(*f).store(v, std::memory_order_seq_cst);
+  std::atomic_ref<std::uint32_t>(*f).store(v, std::memory_order_relaxed);
 }
 
 class ring_pipe final : public tcp_provider::byte_pipe {
@@ -122,10 +124,12 @@ class ring_pipe final : public tcp_provider::byte_pipe {
 
   result<void> write_now(std::span<iovec>& v) noexcept override {
     if (fault) return fault;
-    const std::uint64_t h = load(tx_.head);
-    if (h - seen_head_ > tail_ - seen_head_) return bad();  // backwards, or past what we published
-    seen_head_ = h;
-    std::uint64_t room = cap - (tail_ - h);
+    // The peer's head only when the room we know of is short: it is the
+    // line the peer writes on every read (a cache miss per look).
+    std::uint64_t want = 0;
+    for (const iovec& e : v) want += e.iov_len;
+    if (cap - (tail_ - seen_head_) < want && !refresh_head()) return fault;
+    std::uint64_t room = cap - (tail_ - seen_head_);
     const std::uint64_t before = tail_;
     while (!v.empty() && room > 0) {
       const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, v.front().iov_len));
@@ -146,6 +150,8 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     return {};
   }
 
+  // The loop is about to sleep (byte_pipe::try_enter_interrupt_mode).
+  // Dekker with write_now: flag, fence, look; it publishes, fences, looks.
   bool arm_reader() noexcept override {
     if (fault) return false;
     set_flag(rx_.consumer_sleeping, 1);
@@ -158,15 +164,27 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     if (fault) return false;
     set_flag(tx_.producer_sleeping, 1);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (load(tx_.head) == seen_head_) return true;
+    if (load(tx_.head) == seen_head_) return true;  // seen_head_ is fresh: write_now found no room
     set_flag(tx_.producer_sleeping, 0);
     return false;
   }
   bool readable_now() const noexcept override { return load(rx_.tail) != head_; }
+  bool writable_now() const noexcept override { return load(tx_.head) != seen_head_; }
   void disarm_reader() noexcept override { set_flag(rx_.consumer_sleeping, 0); }
   void disarm_writer() noexcept override { set_flag(tx_.producer_sleeping, 0); }
 
  private:
+  // Loads and checks the peer's head: false (and `fault`) if it went
+  // backwards or past what we published.
+  bool refresh_head() noexcept {
+    const std::uint64_t h = load(tx_.head);
+    if (h - seen_head_ > tail_ - seen_head_) {
+      bad();
+      return false;
+    }
+    seen_head_ = h;
+    return true;
+  }
   std::error_code bad() noexcept {
     fault = make_error_code(errc::protocol_error);
     return fault;

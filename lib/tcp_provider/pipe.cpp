@@ -4,46 +4,83 @@
 #include "conn_state.hpp"
 
 #include <array>
-#include <cstdlib>
 
 namespace shuttle::detail::tcp_provider {
 
-namespace {
-// pipe_spin, or SHUTTLE_PIPE_SPIN_US (microseconds; read once) for measurements.
-std::chrono::microseconds spin_time() noexcept {
-  static const std::chrono::microseconds t = [] {
-    const char* e = std::getenv("SHUTTLE_PIPE_SPIN_US");
-    return e ? std::chrono::microseconds(std::strtoul(e, nullptr, 10)) : pipe_spin;
-  }();
-  return t;
+byte_pipe::~byte_pipe() {
+  if (polled_by_) polled_by_->backend().remove_poller(*this);
 }
-}  // namespace
 
-// Sleeps until the peer rings (or hangs up, or the loops stop), unless the
-// pipe has something once the peer has been told to ring: the flag is set
-// before the last look, so a publish after that look rings (no lost wakeup).
+void byte_pipe::wait_begin(io_context& ctx, bool reading) {
+  if (!polled_by_) {
+    ctx.backend().add_poller(*this);
+    polled_by_ = &ctx;
+  }
+  (reading ? wait_read_ : wait_write_) = true;
+}
+
+void byte_pipe::wait_end(bool reading) noexcept {
+  (reading ? wait_read_ : wait_write_) = false;
+  if (!wait_read_ && !wait_write_ && polled_by_) {
+    polled_by_->backend().remove_poller(*this);
+    polled_by_ = nullptr;
+  }
+}
+
+// Every turn of the loop: the peer's index, no syscall. The events post
+// their waiters (never inline), so the loop's poller list is not changed
+// while it walks it.
+bool byte_pipe::poll() {
+  bool any = false;
+  if (wait_read_ && !readable.is_set() && (readable_now() || gone || fault)) {
+    readable.set();
+    any = true;
+  }
+  if (wait_write_ && !writable.is_set() && (writable_now() || gone || fault)) {
+    writable.set();
+    any = true;
+  }
+  return any;
+}
+
+// The loop is about to sleep: the peer must ring for what it publishes
+// from now on. arm_* publish our sleeping flag, then (seq_cst fence) look
+// at the peer's index again; the peer publishes its index, then (fence)
+// looks at our flag. Of the two fenced stores, at least one is seen by the
+// other side's load: either we see its bytes here and do not sleep, or it
+// sees our flag and rings (the doorbell's read is always armed in the
+// ring, so the loop wakes). A refusal leaves no flag set.
+bool byte_pipe::try_enter_interrupt_mode() {
+  if (wait_read_ && !readable.is_set() && !arm_reader()) return false;
+  if (wait_write_ && !writable.is_set() && !arm_writer()) {
+    if (wait_read_) disarm_reader();
+    return false;
+  }
+  return true;
+}
+
+// Awake again: no doorbells while this loop polls.
+void byte_pipe::exit_interrupt_mode() {
+  if (wait_read_) disarm_reader();
+  if (wait_write_) disarm_writer();
+}
+
+// Sleeps until the pipe has bytes (room), the peer rings or hangs up, or
+// the loops stop. Nothing to arm here: the loop polls the pipe while this
+// waits, and arms it only if it goes to sleep (the poller above).
 task<result<void>> conn_state::pipe_wait(bool reading) {
   // Hung up: the reader's read_now says eof once the ring is empty; a
   // writer that waits for room would wait for ever (nobody rings).
   if (pipe->gone) co_return reading ? result<void>{} : result<void>(err(errc::disconnected));
-  if (reading) {
-    // A peer that answers within pipe_spin (a ping-pong, a stream) is
-    // waited for by turns of the loop (other work runs meanwhile), not by
-    // sleeping: no doorbell, no syscall, on either side.
-    const auto until = clock::now() + spin_time();
-    while (clock::now() < until) {
-      co_await yield();
-      if (stop.stop_requested()) co_return std::make_error_code(std::errc::operation_canceled);
-      if (pipe->readable_now() || pipe->gone) co_return result<void>{};
-    }
-  }
   event& e = reading ? pipe->readable : pipe->writable;
   e.reset();
-  if (!(reading ? pipe->arm_reader() : pipe->arm_writer())) co_return result<void>{};
-  auto r = co_await e.wait();
-  if (reading) pipe->disarm_reader();
-  else pipe->disarm_writer();
-  co_return r;
+  pipe->wait_begin(io_context::current(), reading);
+  struct end_wait {
+    byte_pipe& p;
+    bool reading;
+    ~end_wait() { p.wait_end(reading); }  // also when the frame is destroyed suspended
+  } guard{*pipe, reading};
+  co_return co_await e.wait();
 }
 
 task<result<void>> conn_state::pipe_read_exact(std::span<std::byte> buf) {

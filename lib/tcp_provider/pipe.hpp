@@ -4,30 +4,33 @@
 // over either; only where the bytes go differs. The socket stays open next
 // to a pipe: the peer rings its doorbell there (a byte, only while we
 // sleep), and its hang-up closes it (conn_state::bell_loop).
+//
+// While the engine's reader (or writer) waits on a pipe, the pipe is one of
+// the loop's pollers (busy_poll() false: it does not make the loop spin by
+// itself): every turn of the loop looks at the peer's index without a
+// syscall, and only a loop about to sleep tells the peer to ring
+// (try_enter_interrupt_mode: arm_reader/arm_writer, a Dekker pair with the
+// peer's publish). So a loop that spins (io_context::options::
+// ring_spin_budget: a poller's work extends it) takes the peer's bytes from
+// shared memory alone, and one that sleeps costs the peer one doorbell.
 #pragma once
 
+#include <shuttle/poller.hpp>
 #include <shuttle/result.hpp>
 #include <shuttle/sync.hpp>
 
 #include <sys/uio.h>
 
-#include <chrono>
 #include <cstddef>
 #include <span>
 
 namespace shuttle::detail::tcp_provider {
 
-// How long a reader with nothing to read polls the pipe (by loop turns)
-// before it sleeps and has the peer ring. 0: polling by loop turns cost
-// the spin time itself per message between processes (docs/measurements.md,
-// 2026-12-06): a busy-polled pipe belongs in the loop's pollers (to do).
-inline constexpr std::chrono::microseconds pipe_spin{0};
-
-struct byte_pipe {
+struct byte_pipe : poller {
   byte_pipe() = default;
   byte_pipe(const byte_pipe&) = delete;
   byte_pipe& operator=(const byte_pipe&) = delete;
-  virtual ~byte_pipe() = default;
+  ~byte_pipe() override;
 
   // Copies what the peer has published (up to buf.size()) into `buf`;
   // returns how many bytes (0: wait, arm_reader). Errors: protocol_error
@@ -47,6 +50,8 @@ struct byte_pipe {
   virtual void disarm_reader() noexcept = 0;
   // Whether the peer has published bytes we have not taken (a look, no check).
   virtual bool readable_now() const noexcept = 0;
+  // Whether the peer has taken bytes since our last write_now (room freed).
+  virtual bool writable_now() const noexcept = 0;
   virtual void disarm_writer() noexcept = 0;
 
   // Set by the bell loop: a doorbell (either sleeper may have something),
@@ -58,6 +63,19 @@ struct byte_pipe {
     readable.set();
     writable.set();
   }
+
+  // The poller (pipe.cpp). wait_begin/wait_end bracket a wait on
+  // `readable` (`writable`): the pipe is a poller of `ctx` while either waits.
+  void wait_begin(io_context& ctx, bool reading);
+  void wait_end(bool reading) noexcept;
+  bool poll() override;
+  bool try_enter_interrupt_mode() override;
+  void exit_interrupt_mode() override;
+  bool busy_poll() const noexcept override { return false; }
+
+ private:
+  io_context* polled_by_ = nullptr;
+  bool wait_read_ = false, wait_write_ = false;
 };
 
 }  // namespace shuttle::detail::tcp_provider

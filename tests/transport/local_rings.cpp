@@ -1,7 +1,7 @@
 // The local provider's shared-memory rings (lib/local_provider/ring.hpp):
 // messages and one-sided transfers larger than a ring (split across its
 // wrap-around), many messages in flight both ways, a peer killed with
-// operations pending, and hostile peers that corrupt the ring indices or
+// operations pending, the sleep/wake boundary hammered, and hostile peers that corrupt the ring indices or
 // fill a ring with garbage (their connection fails with protocol_error, a
 // good connection on the same listener carries on). The provider-neutral
 // cases run over the rings in conformance-local.
@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <thread>
 
 using namespace shuttle;
@@ -130,6 +131,114 @@ TEST_CASE("rings: many messages in flight both ways, every byte and the order ve
     CHECK(p.client.is_open());
     co_await close_lpair(p);
   }());
+}
+
+namespace {
+
+// The sleep/wake hammer's message i: its index, then pattern bytes; small
+// ones (a ping-pong) and, every `stream_every`-th block, larger than a ring
+// (the producer then waits for room).
+constexpr std::uint64_t hammer_messages = 40000, stream_every = 16, block = 64;
+bool streaming(std::uint64_t i) { return (i / block) % stream_every == stream_every - 1; }
+std::size_t hammer_size(std::uint64_t i) {
+  return streaming(i) ? lp::ring_capacity + 4096 + (i * 131) % 4096 : 8 + (i * 7) % 56;
+}
+std::vector<std::byte> hammer_message(std::uint64_t i) {
+  auto v = pattern(hammer_size(i), static_cast<unsigned>(i));
+  std::memcpy(v.data(), &i, 8);
+  return v;
+}
+
+// Whether this loop spins (a few microseconds' budget, so it also goes to
+// sleep in the middle of a burst) or sleeps as soon as it waits: flips every
+// `period` messages, on each side out of step with the other.
+void alternate(std::uint64_t i, std::uint64_t period, std::minstd_rand& rng) {
+  if (i % period == 0) {
+    const bool spin = (i / period) % 2 == 0;
+    io_context::current().set_ring_spin_budget(spin ? std::chrono::nanoseconds(rng() % 20000) : 0ns);
+  }
+}
+
+// A few hundred nanoseconds to a few microseconds of busy work: the other
+// side's loop is caught at every point of its way to sleep.
+void jitter(std::minstd_rand& rng) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(rng() % 4000);
+  while (std::chrono::steady_clock::now() < until) {
+  }
+}
+
+}  // namespace
+
+// No lost wake-up at the boundary between a loop that polls the rings and
+// one that sleeps (pipe.hpp: a sleeping loop's flag, a fence, a look; the
+// peer's publish, a fence, a look at the flag): two loops on two threads
+// exchange many small messages with a reply each, and blocks of messages
+// larger than a ring (space wake-ups), each side flipping between spinning
+// and sleeping. A wake-up lost on either side stalls the exchange: every
+// wait is bounded (60 s, a hang guard, not a timing check) so that it fails
+// here rather than hanging. Without the fences it fails (x86 reorders the
+// flag's store after the index's load: docs/measurements.md, 2026-12-07).
+TEST_CASE("rings: the sleep/wake boundary, hammered (data and room): no lost wake-up") {
+  std::atomic<std::uint16_t> port{0};
+  std::atomic<bool> server_ok{false};
+  std::uint64_t server_sleeps = 0;
+  connection_options o;
+  o.receive_buffers = 8;
+  o.receive_buffer_size = 2 * lp::ring_capacity;
+  std::thread server([&] {
+    io_context sctx;
+    sctx.run([&]() -> task<void> {
+      auto d = domain::open(local_options()).value();
+      auto l = d.listen(endpoint::loopback(0), o).value();
+      port = l.local_endpoint()->port();
+      auto c = co_await with_timeout(accept_within_limit(l), 60s);
+      if (!c) co_return;
+      std::minstd_rand rng(7);
+      bool ok = true;
+      for (std::uint64_t i = 0; i < hammer_messages && ok; ++i) {
+        alternate(i, 48, rng);
+        auto m = co_await with_timeout(c->recv(), 60s);
+        ok = m && same(m->data(), hammer_message(i));
+        if (!ok) break;
+        m->reset();
+        if (!streaming(i) || i % 4 == 3) {  // a reply to each small one, one per four large ones
+          jitter(rng);
+          ok = (co_await c->send(std::as_bytes(std::span(&i, 1)))).has_value();
+        }
+      }
+      server_ok = ok;
+      server_sleeps = sctx.loop_sleeps();
+      (void)co_await with_timeout(c->close(), 60s);
+    }());
+  });
+  while (port.load() == 0) std::this_thread::yield();
+  io_context ctx;
+  std::uint64_t done = 0;
+  ctx.run([&]() -> task<void> {
+    auto d = domain::open(local_options()).value();
+    auto c = (co_await with_timeout(d.connect(endpoint::loopback(port.load()), o), 60s)).value();
+    std::minstd_rand rng(11);
+    auto reply = [&](std::uint64_t i) -> task<bool> {
+      auto r = co_await with_timeout(c.recv(), 60s);
+      std::uint64_t got = ~std::uint64_t{0};
+      if (r && r->size() == 8) std::memcpy(&got, r->data().data(), 8);
+      co_return got == i;
+    };
+    for (std::uint64_t i = 0; i < hammer_messages; ++i) {
+      alternate(i, 80, rng);
+      if (!streaming(i)) jitter(rng);
+      if (!(co_await with_timeout(c.send(hammer_message(i)), 60s))) break;
+      if ((!streaming(i) || i % 4 == 3) && !co_await reply(i)) break;
+      done = i + 1;
+    }
+    (void)co_await with_timeout(c.close(), 60s);
+  }());
+  server.join();
+  CHECK(done == hammer_messages);
+  CHECK(server_ok.load());
+  // Both sides slept (the boundary was crossed), many times.
+  CHECK(server_sleeps > 100);
+  CHECK(ctx.loop_sleeps() > 100);
 }
 
 namespace {
@@ -249,8 +358,8 @@ struct raw_peer {
     send_fds(fd, hb, {keys, pair[1], ring});
     std::array<std::byte, tcp_wire::hello_size> eh{};
     tcp_wire::hello th;
-    th.receive_buffers = 4;
-    th.receive_buffer_size = 1024;
+    th.receive_buffers = 8;  // credits for more than a ring: the server's writer then needs our head
+    th.receive_buffer_size = 64 << 10;
     tcp_wire::encode_hello(th, eh);
     (void)::send(fd, eh.data(), eh.size(), MSG_NOSIGNAL);
     void* p = ::mmap(nullptr, lp::ring_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, ring, 0);
@@ -331,10 +440,20 @@ TEST_CASE("rings: a hostile peer's bad indices or garbage fail its connection on
       });
       auto bad = (co_await accept_within_limit(l)).value();
       for (int i = 0; i < 10000 && !attacked; ++i) (void)co_await sleep_for(1ms);
-      // The server's writer reads the bad head when it writes (its first
-      // frame may come after the attack): the send fails, with
-      // protocol_error or, if the connection failed before it, disconnected.
-      if (e.server_sends) CHECK_FALSE((co_await with_timeout(bad.send(pattern(10, 1)), 30s)).has_value());
+      // The server's writer loads the peer's head when the room it knows
+      // of is short: sends of more than a ring (the peer takes nothing)
+      // get there, and fail, with protocol_error or, if the connection
+      // failed before them, disconnected.
+      if (e.server_sends) {
+        const auto msg = pattern(60000, 1);
+        std::vector<task<result<void>>> sends;
+        for (int i = 0; i < 8; ++i) sends.push_back(bad.send(msg));
+        auto all = co_await with_timeout(when_all(std::move(sends)), 30s);
+        REQUIRE(all.has_value());
+        bool failed = false;
+        for (auto& r : *all) failed |= !r.has_value();
+        CHECK(failed);
+      }
       auto m = co_await with_timeout(bad.recv(), 30s);  // the first error: why the connection failed
       REQUIRE_FALSE(m.has_value());
       CHECK(m.error() == make_error_code(errc::protocol_error));
