@@ -356,9 +356,14 @@ connection_options conn_opts(const options& o, std::uint64_t depth) {
 // Where the waiting went: completions reaped, completion-channel wake-ups
 // (each one a sleep the busy-poll budget did not cover) and loop sleeps.
 void print_poll_stats(const domain& d, const char* who) {
-  if (auto st = verbs::stats(d))
+  if (auto st = verbs::stats(d)) {
     std::printf("# %s: %" PRIu64 " completions, %" PRIu64 " completion-channel wake-ups, %" PRIu64 " loop sleeps\n", who,
                 st->completions, st->cq_events, io_context::current().loop_sleeps());
+    if (st->staged || st->transient_registrations)
+      std::printf("# %s: memory not registered by the user: %" PRIu64 " operations staged, %" PRIu64
+                  " registered for themselves\n",
+                  who, std::uint64_t(st->staged), std::uint64_t(st->transient_registrations));
+  }
   std::fflush(stdout);
 }
 
