@@ -428,20 +428,19 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // path_costs.
   result<std::shared_ptr<verbs_region>> timed_registration(std::span<std::byte> m, unsigned cls) {
     using clk = std::chrono::steady_clock;
-    auto reg_ns = std::make_shared<std::int64_t>(0);
-    std::shared_ptr<verbs_region> r(new verbs_region, [costs = path_costs, cls, reg_ns](verbs_region* p) {
-      const bool made = p->mr != nullptr;
-      const auto t1 = clk::now();
-      delete p;  // ibv_dereg_mr
-      if (made) costs->registered(cls, *reg_ns + (clk::now() - t1).count());
-    });
+    auto region = std::make_unique<verbs_region>();
     const auto t0 = clk::now();
     ibv_mr* mr = ibv_reg_mr(pd, m.data(), m.size(), 0);
     if (!mr) return last_errno();
-    *reg_ns = (clk::now() - t0).count();
+    const auto reg_ns = (clk::now() - t0).count();
     ++st.registrations;
-    fill(*r, mr, m, 0);
-    return r;
+    fill(*region, mr, m, 0);
+    // (Should the control block fail to allocate, the deleter still runs.)
+    return std::shared_ptr<verbs_region>(region.release(), [costs = path_costs, cls, reg_ns](verbs_region* p) {
+      const auto t1 = clk::now();
+      delete p;  // ibv_dereg_mr
+      costs->registered(cls, reg_ns + (clk::now() - t1).count());
+    });
   }
   // A reference to what local_region returned, for an operation that waits.
   static std::shared_ptr<verbs_region> hold(verbs_region* r) { return r ? r->shared_from_this() : nullptr; }
