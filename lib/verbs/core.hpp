@@ -3,6 +3,7 @@
 #pragma once
 
 #include "recv_pool.hpp"
+#include "registration_cache.hpp"
 #include "staging.hpp"
 
 #include <atomic>
@@ -46,12 +47,25 @@ struct core final : poller, std::enable_shared_from_this<core> {
   verbs::domain_stats st{};
 
   // The user's registrations (weak: alive while the user holds one),
-  // found by address for operations on memory they cover. Nothing else is
-  // cached: other memory is staged or registered per operation (transient).
+  // found by address for operations on memory they cover. Other memory is
+  // cached only where the memory monitor watches it (rcache), else staged or
+  // registered per operation (transient).
   std::multimap<std::uintptr_t, std::weak_ptr<verbs_region>> user_regs;
   std::uint64_t reg_seq = 0;
   std::size_t device_registrations = 0;  // device-memory registrations ever made (dma-buf, peermem)
   std::shared_ptr<staging_pool> staging;  // made on first use
+  // Registrations of memory the user did not register, dropped when its
+  // pages go away (registration_cache.hpp). Made on first use; null where
+  // the process has no memory monitor or the user turned it off.
+  std::unique_ptr<registration_cache> rcache;
+  bool rcache_decided = false;
+  registration_cache* cache() {
+    if (!rcache_decided) {
+      rcache_decided = true;
+      if (memory_monitor* m = memory_monitor::instance()) rcache = std::make_unique<registration_cache>(*m);
+    }
+    return rcache.get();
+  }
   // Shared with the transient registrations it times, which may outlive this.
   std::shared_ptr<copy_or_register> path_costs = std::make_shared<copy_or_register>();
   // The staging lease or transient registration that find_region made for
@@ -376,7 +390,8 @@ struct core final : poller, std::enable_shared_from_this<core> {
   }
   // local_region past the last registration: a receive buffer holding
   // `mem` (a send of received bytes), else a user registration covering
-  // `mem`, else (memory the library cannot watch) a staging slot that the
+  // `mem`, else a registration the cache holds for it (memory the monitor
+  // watches, seen before), else a staging slot that the
   // bytes are copied into now (sge then points at it; `may_stage`: a send
   // or write source whose bytes may be taken now), else a registration for
   // this operation alone. Either is left in op_owned for the operation to
@@ -396,6 +411,24 @@ struct core final : poller, std::enable_shared_from_this<core> {
         h && h->is_device_memory && h->is_device_memory(mem.data(), mem.size()))
       return device_region(mem, need_write, *h);
     std::span<std::byte> m(const_cast<std::byte*>(mem.data()), mem.size());
+    if (registration_cache* rc = cache()) {
+      if (auto sp = rc->find(a, mem.size(), need_write)) {
+        ++st.cache_hits;
+        op_owned = std::move(sp);
+        return op_owned.get();
+      }
+      // Memory seen once is staged or registered for its operation; seen
+      // again, it is registered for the cache.
+      if (rc->seen_before(a, mem.size()))
+        if (auto r = rc->insert(a, mem.size(), [&](std::span<std::byte> pages) {
+              auto x = reg(pages, access::local_write);
+              if (!x && !need_write) x = reg(pages, 0);  // read-only memory (a send source)
+              return x;
+            })) {
+          op_owned = std::move(*r);
+          return op_owned.get();
+        }
+    }
     if (may_stage && !need_write && mem.size() <= staging_max) {
       const unsigned cls = staging_class(mem.size());
       if (!path_costs->stage(cls)) {

@@ -111,7 +111,33 @@ result<domain_stats> stats(const domain& d) {
   if (!v) return make_error_code(errc::not_supported);
   domain_stats st = v->get().st;
   if (const auto& pool = v->get().staging) st.staging_bytes = pool->registered_bytes();
+  if (const auto& rc = v->get().rcache) {
+    const auto c = rc->stats();
+    st.registration_cache = true;
+    st.cached_registrations = c.inserted;
+    st.cache_invalidations = c.invalidated;
+    st.cache_evictions = c.evicted;
+    st.uncacheable_sources = c.unwatchable;
+  } else {
+    st.registration_cache = !v->get().rcache_decided && detail::verbs_impl::memory_monitor::instance();
+  }
   return st;
+}
+
+result<void> set_registration_cache(domain& d, bool on) {
+  auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
+  if (!v) return make_error_code(errc::not_supported);
+  auto& c = v->get();
+  c.rcache_decided = true;
+  if (!on) {
+    c.rcache.reset();
+    return {};
+  }
+  if (c.rcache) return {};
+  auto* m = detail::verbs_impl::memory_monitor::instance();
+  if (!m) return detail::verbs_impl::memory_monitor::unavailable_reason();
+  c.rcache = std::make_unique<detail::verbs_impl::registration_cache>(*m);
+  return {};
 }
 
 result<memory_region> register_device_memory(domain& d, std::span<std::byte> mem, unsigned access_flags) {

@@ -73,6 +73,19 @@ std::error_code make_wc_error(int ibv_wc_status) noexcept;
 // errc::not_supported for a non-verbs domain.
 result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget);
 
+// Memory the user did not register is registered on its second use and the
+// registration cached, where the process's memory monitor watches it
+// (private anonymous memory: the heap, the stack, anonymous mmaps); the
+// monitor drops an entry before the munmap, mremap or madvise that took its
+// pages returns, so a cached registration never outlives its memory
+// (docs/memory-registration.md). Other memory is staged or registered per
+// operation. On by default; SHUTTLE_REGISTRATION_CACHE=0 in the environment
+// turns the monitor off for the process. `on` = false turns this domain's
+// cache off (its entries go once no operation holds them); true: the
+// monitor's reason when it cannot run (no userfaultfd, not permitted).
+// errc::not_supported for a non-verbs domain.
+result<void> set_registration_cache(domain& d, bool on);
+
 // The domain's connections share one CQ; each reserves entries in it for
 // what it may have outstanding: at connect a few send-queue slots and the
 // receives it posts, then more as it uses them (send slots and receives
@@ -88,10 +101,21 @@ struct domain_stats {
   std::uint64_t completions = 0;     // work completions reaped
   std::uint64_t cq_events = 0;       // completion-channel wake-ups
   std::uint64_t registrations = 0;   // ibv_reg_mr calls
-  std::uint64_t cache_hits = 0;      // operations served by the registration cache
-  // Operations on memory no live user registration covers (never cached:
-  // docs/memory-registration.md): copied into a registered staging slot,
-  // or registered for that operation alone.
+  std::uint64_t cache_hits = 0;      // operations served by a user registration or the cache
+  // The cache of registrations of memory the user did not register
+  // (docs/memory-registration.md): on where the process's memory monitor
+  // runs (set_registration_cache). Registrations made for it, entries dropped
+  // because their memory was unmapped, moved or dropped (madvise), entries
+  // dropped for room, and sources it cannot watch (shared or file-backed
+  // memory: staged or registered per operation).
+  bool registration_cache = false;
+  std::uint64_t cached_registrations = 0;
+  std::uint64_t cache_invalidations = 0;
+  std::uint64_t cache_evictions = 0;
+  std::uint64_t uncacheable_sources = 0;
+  // Operations on memory neither a user registration nor the cache covers
+  // (memory used once, or that the monitor cannot watch): copied into a
+  // registered staging slot, or registered for that operation alone.
   std::uint64_t staged = 0;
   std::uint64_t transient_registrations = 0;
   // Bytes the staging pool holds registered: it grows with the staged
