@@ -359,10 +359,13 @@ void print_poll_stats(const domain& d, const char* who) {
   if (auto st = verbs::stats(d)) {
     std::printf("# %s: %" PRIu64 " completions, %" PRIu64 " completion-channel wake-ups, %" PRIu64 " loop sleeps\n", who,
                 st->completions, st->cq_events, io_context::current().loop_sleeps());
-    if (st->staged || st->transient_registrations)
+    if (st->staged || st->transient_registrations || st->cached_registrations)
       std::printf("# %s: memory not registered by the user: %" PRIu64 " operations staged, %" PRIu64
-                  " registered for themselves\n",
-                  who, std::uint64_t(st->staged), std::uint64_t(st->transient_registrations));
+                  " registered for themselves; registration cache %s: %" PRIu64 " registered, %" PRIu64
+                  " dropped (unmapped), %" PRIu64 " sources not cacheable\n",
+                  who, std::uint64_t(st->staged), std::uint64_t(st->transient_registrations),
+                  st->registration_cache ? "on" : "off", std::uint64_t(st->cached_registrations),
+                  std::uint64_t(st->cache_invalidations), std::uint64_t(st->uncacheable_sources));
   }
   std::fflush(stdout);
 }

@@ -192,6 +192,9 @@ TEST_CASE("every operation with data verified; registration cache; inline sends"
     CHECK(mr2.lkey() != mr.lkey());
     auto before = verbs::stats(cd).value();
 
+    // The paths without the registration cache (its own cases are below):
+    // memory used again is still staged or registered per operation.
+    REQUIRE(verbs::set_registration_cache(cd, false));
     auto data = pattern(256 << 10, 1);
     for (int i = 0; i < 4; ++i) REQUIRE((co_await p.client.write(data, mr.remote(0, data.size()))).has_value());
     CHECK(std::memcmp(target.data(), data.data(), data.size()) == 0);
@@ -199,8 +202,9 @@ TEST_CASE("every operation with data verified; registration cache; inline sends"
     REQUIRE((co_await p.client.read(back, mr.remote(0, back.size()))).has_value());
     CHECK(back == data);
     auto after = verbs::stats(cd).value();
-    // Memory the user did not register is never cached: each of these
-    // operations (256 KiB, above the staging slots) registered it for itself.
+    // Without the cache, memory the user did not register is never cached:
+    // each of these operations (256 KiB, above the staging slots) registered
+    // it for itself.
     CHECK(after.registrations - before.registrations == 5);
     CHECK(after.transient_registrations - before.transient_registrations == 5);
 
@@ -1294,16 +1298,27 @@ TEST_CASE("memory remapped at the same address: a send carries the new bytes (st
       CAPTURE(len);
       std::byte* mem = map_at(nullptr, len, 1);
       REQUIRE(mem);
-      REQUIRE(co_await p.client.send({mem, len}));
-      auto m1 = co_await with_timeout(p.server.recv(), 20s);
-      REQUIRE(m1);
-      CHECK(std::memcmp(m1->data().data(), pattern(len, 1).data(), len) == 0);
+      const auto st0 = verbs::stats(cd).value();
+      // Three sends: staged or registered for itself, then (where the
+      // memory monitor runs) registered for the cache, then a cache hit.
+      for (int i = 0; i < 3; ++i) {
+        REQUIRE(co_await p.client.send({mem, len}));
+        auto m1 = co_await with_timeout(p.server.recv(), 20s);
+        REQUIRE(m1);
+        CHECK(std::memcmp(m1->data().data(), pattern(len, 1).data(), len) == 0);
+      }
+      const auto st1 = verbs::stats(cd).value();
+      if (st1.registration_cache) {
+        CHECK(st1.cached_registrations == st0.cached_registrations + 1);
+        CHECK(st1.cache_hits == st0.cache_hits + 1);
+      }
       mem = remap(mem, len, 2);
       REQUIRE(co_await p.client.send({mem, len}));
       auto m2 = co_await with_timeout(p.server.recv(), 20s);
       REQUIRE(m2);
       REQUIRE(m2->size() == len);
       CHECK(std::memcmp(m2->data().data(), pattern(len, 2).data(), len) == 0);
+      if (st1.registration_cache) CHECK(verbs::stats(cd)->cache_invalidations == st1.cache_invalidations + 1);
       ::munmap(mem, len);
     }
     (void)co_await p.client.close();
@@ -1321,11 +1336,14 @@ TEST_CASE("memory remapped at the same address: RDMA WRITE sources and READ targ
     auto tmr = sd.register_memory(target, access::all).value();
     for (std::size_t len : {std::size_t(8192), std::size_t(256) << 10}) {
       CAPTURE(len);
-      // WRITE from the memory, twice, with a remap between.
+      // WRITE from the memory three times (the last from the cache, where
+      // the memory monitor runs), then again after a remap.
       std::byte* mem = map_at(nullptr, len, 3);
       REQUIRE(mem);
-      REQUIRE(co_await p.client.write({mem, len}, tmr.remote(0, len)));
-      CHECK(std::memcmp(target.data(), pattern(len, 3).data(), len) == 0);
+      for (int i = 0; i < 3; ++i) {
+        REQUIRE(co_await p.client.write({mem, len}, tmr.remote(0, len)));
+        CHECK(std::memcmp(target.data(), pattern(len, 3).data(), len) == 0);
+      }
       mem = remap(mem, len, 4);
       REQUIRE(co_await p.client.write({mem, len}, tmr.remote(0, len)));
       CHECK(std::memcmp(target.data(), pattern(len, 4).data(), len) == 0);
@@ -1341,8 +1359,11 @@ TEST_CASE("memory remapped at the same address: RDMA WRITE sources and READ targ
       auto first = pattern(len, 6);
       std::memcpy(target.data(), first.data(), len);
       mem = remap(mem, len, 7);
-      REQUIRE(co_await p.client.read({mem, len}, tmr.remote(0, len)));
-      CHECK(std::memcmp(mem, first.data(), len) == 0);
+      for (int i = 0; i < 3; ++i) {
+        std::memset(mem, 0, len);
+        REQUIRE(co_await p.client.read({mem, len}, tmr.remote(0, len)));
+        CHECK(std::memcmp(mem, first.data(), len) == 0);
+      }
       auto second = pattern(len, 8);
       std::memcpy(target.data(), second.data(), len);
       mem = remap(mem, len, 9);
@@ -1382,4 +1403,72 @@ TEST_CASE("register_memory after a remap at the same address: a new registration
     (void)co_await p.server.close();
   }());
   // (the regions go before the memory: unmapped by the process's end)
+}
+
+// The registration cache (where the memory monitor runs): memory used
+// again is served from a cached registration, which must go when the pages
+// under it change without an munmap of the whole buffer: madvise drops them
+// (the process then sees zero pages), mremap moves them away and other
+// memory is mapped there, or free() gives a large block back and malloc
+// returns the same address with other bytes.
+TEST_CASE("registration cache: pages dropped, moved or freed under a cached registration") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    auto sd = open_verbs(), cd = open_verbs();
+    if (!verbs::stats(cd)->registration_cache) {
+      MESSAGE("no memory monitor here (" << verbs::set_registration_cache(cd, true).error().message()
+                                         << "): the cache cases are not run");
+      co_return;
+    }
+    pair_t p;
+    co_await make_pair(sd, cd, p);
+    std::vector<std::byte> target(512 << 10);
+    auto tmr = sd.register_memory(target, access::all).value();
+    auto write_thrice = [&](std::byte* mem, std::size_t len, unsigned seed) -> task<void> {
+      for (int i = 0; i < 3; ++i) {
+        REQUIRE(co_await p.client.write({mem, len}, tmr.remote(0, len)));
+        CHECK(std::memcmp(target.data(), pattern(len, seed).data(), len) == 0);
+      }
+    };
+    for (std::size_t len : {std::size_t(8192), std::size_t(256) << 10}) {
+      CAPTURE(len);
+      std::byte* mem = map_at(nullptr, len, 20);
+      REQUIRE(mem);
+      const auto st0 = verbs::stats(cd).value();
+      co_await write_thrice(mem, len, 20);
+      CHECK(verbs::stats(cd)->cache_hits == st0.cache_hits + 1);
+
+      // madvise(MADV_DONTNEED): the same mapping, fresh zero pages.
+      REQUIRE(::madvise(mem, len, MADV_DONTNEED) == 0);
+      auto bytes = pattern(len, 21);
+      std::memcpy(mem, bytes.data(), len);
+      co_await write_thrice(mem, len, 21);
+
+      // mremap: the pages move away, new memory is mapped at the address.
+      void* away = ::mmap(nullptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      REQUIRE(away != MAP_FAILED);
+      REQUIRE(::mremap(mem, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, away) == away);
+      REQUIRE(map_at(mem, len, 22) == mem);
+      co_await write_thrice(mem, len, 22);
+      ::munmap(away, len);
+      const auto st1 = verbs::stats(cd).value();
+      CHECK(st1.cache_invalidations >= st0.cache_invalidations + 2);
+      ::munmap(mem, len);
+    }
+    // The heap: a large block freed (glibc unmaps it) and allocated again.
+    constexpr std::size_t big = 1 << 20;
+    for (unsigned seed = 30; seed < 34; ++seed) {
+      auto* mem = static_cast<std::byte*>(std::malloc(big));
+      REQUIRE(mem);
+      auto bytes = pattern(big / 2, seed);
+      std::memcpy(mem, bytes.data(), bytes.size());
+      for (int i = 0; i < 3; ++i) {
+        REQUIRE(co_await p.client.write({mem, big / 2}, tmr.remote(0, big / 2)));
+        CHECK(std::memcmp(target.data(), bytes.data(), bytes.size()) == 0);
+      }
+      std::free(mem);
+    }
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
 }
