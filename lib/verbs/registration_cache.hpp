@@ -15,6 +15,9 @@
 #include "memory_monitor.hpp"
 #include "registration.hpp"
 
+#include <sys/resource.h>
+
+#include <algorithm>
 #include <array>
 #include <map>
 #include <mutex>
@@ -24,8 +27,9 @@ namespace shuttle::detail::verbs_impl {
 
 class registration_cache final : public unmap_listener {
  public:
-  // At most this many entries, pinning at most this many bytes; past
-  // either, the least recently used entry goes.
+  // At most this many entries, pinning at most this many bytes (and at
+  // most half of RLIMIT_MEMLOCK, which the user's own registrations count
+  // against too); past either, the least recently used entry goes.
   static constexpr std::size_t max_entries = 256;
   static constexpr std::size_t max_bytes = std::size_t(1) << 30;
 
@@ -38,6 +42,8 @@ class registration_cache final : public unmap_listener {
   };
 
   explicit registration_cache(memory_monitor& m) : mon_(m) {
+    if (rlimit lim{}; ::getrlimit(RLIMIT_MEMLOCK, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+      bytes_cap_ = std::min<std::size_t>(bytes_cap_, lim.rlim_cur / 2);
     graveyard_.reserve(max_entries + 1);
     std::lock_guard g(mon_.lock());
     mon_.subscribe(*this);
@@ -105,9 +111,9 @@ class registration_cache final : public unmap_listener {
       if (mon_.events() != events) {
         // Something was unmapped while registering: perhaps these pages.
         ++c_.raced;
-      } else {
+      } else if (pe - pb <= bytes_cap_) {  // (larger: serves this operation alone)
         if (dead_) bury_dead_locked();
-        while (!entries_.empty() && (entries_.size() >= max_entries || bytes_ + (pe - pb) > max_bytes))
+        while (!entries_.empty() && (entries_.size() >= max_entries || bytes_ + (pe - pb) > bytes_cap_))
           evict_locked();
         node.mapped().used = ++tick_;
         bytes_ += pe - pb;
@@ -170,6 +176,7 @@ class registration_cache final : public unmap_listener {
   memory_monitor& mon_;
   map_type entries_;                             // under mon_.lock()
   std::size_t dead_ = 0, bytes_ = 0;             // under mon_.lock()
+  std::size_t bytes_cap_ = max_bytes;
   std::uint64_t tick_ = 0;                       // under mon_.lock()
   std::vector<map_type::node_type> graveyard_;   // filled under the lock, emptied after it
   std::array<sighting, 64> seen_{};              // the loop's

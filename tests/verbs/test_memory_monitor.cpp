@@ -94,8 +94,7 @@ TEST_CASE("monitor: munmap, madvise, mremap and MAP_FIXED are reported before th
     CHECK(p[page] == std::byte{0});  // what the process sees there now
   }
   SUBCASE("mremap moving pages away") {
-    void* dst = ::mmap(nullptr, 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    REQUIRE(dst != MAP_FAILED);
+    void* dst = map_anon(2 * page);
     void* moved = ::mremap(p + 4 * page, 2 * page, 2 * page, MREMAP_MAYMOVE | MREMAP_FIXED, dst);
     REQUIRE(moved == dst);
     CHECK(rec.told(p + 4 * page, 2 * page));
@@ -124,7 +123,11 @@ TEST_CASE("monitor: a large malloc'd block freed from the thread that watched it
   std::memset(p, 1, len);
   REQUIRE_FALSE(m.watch(addr(p), addr(p) + len));
   std::free(p);  // must not wait forever for the monitor
+#if defined(__SANITIZE_ADDRESS__)
+  MESSAGE("AddressSanitizer keeps freed blocks mapped (quarantine): no unmap to be told of");
+#else
   CHECK(rec.told(p, page));
+#endif
 }
 
 TEST_CASE("monitor: memory that can go away without an event is not watched") {
