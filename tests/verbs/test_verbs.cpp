@@ -1143,8 +1143,14 @@ TEST_CASE("staging: a 128-deep batch from unregistered memory is staged, but for
     REQUIRE((co_await p.client.post_batch(ops)).has_value());
     CHECK(std::memcmp(target.data(), small2.data(), small2.size()) == 0);
     auto after = verbs::stats(cd).value();
-    // (A 4 KiB registration costs many 4 KiB copies: no probe in these 128.)
-    CHECK(after.registrations == mid.registrations);
+    INFO("transient " << after.transient_registrations - mid.transient_registrations << ", cached "
+                      << after.cached_registrations - mid.cached_registrations);
+    // The pool did not grow; a registration here is a probe of the other
+    // path (how many depends on the costs measured: at most one per
+    // probe_min = 64 sources).
+    const auto probes = after.transient_registrations - mid.transient_registrations;
+    CHECK(after.registrations - mid.registrations == probes);
+    CHECK(probes <= 2);
     CHECK(after.staging_bytes == mid.staging_bytes);
     (void)co_await p.client.close();
     (void)co_await p.server.close();
