@@ -107,10 +107,10 @@ class ring_pipe final : public tcp_provider::byte_pipe {
       const std::size_t off = static_cast<std::size_t>(head_ & (cap - 1)), first = std::min(k, cap - off);
       auto* dst = static_cast<std::byte*>(v.front().iov_base);
       std::memcpy(dst, rx_.data + off, first);
-      std::memcpy(dst + first, rx_.data, k - first);
+      if (k != first) std::memcpy(dst + first, rx_.data, k - first);  // wrapped
       head_ += k;
       left -= k;
-      tcp_provider::consume_iov(v, k);
+      advance(v, k);
     }
     if (head_ == before) {
       if (hung_up && !v.empty()) return make_error_code(errc::eof);
@@ -126,9 +126,14 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     if (fault) return fault;
     // The peer's head only when the room we know of is short: it is the
     // line the peer writes on every read (a cache miss per look).
+    // (Summed only until it passes the room known: a list frame is an iovec
+    // per block, and a writev larger than the ring comes back here with
+    // what is left until all of it went.)
+    const std::uint64_t known = cap - (tail_ - seen_head_);
     std::uint64_t want = 0;
-    for (const iovec& e : v) want += e.iov_len;
-    if (cap - (tail_ - seen_head_) < want && !refresh_head()) return fault;
+    for (const iovec& e : v)
+      if ((want += e.iov_len) > known) break;
+    if (known < want && !refresh_head()) return fault;
     std::uint64_t room = cap - (tail_ - seen_head_);
     const std::uint64_t before = tail_;
     while (!v.empty() && room > 0) {
@@ -136,10 +141,10 @@ class ring_pipe final : public tcp_provider::byte_pipe {
       const std::size_t off = static_cast<std::size_t>(tail_ & (cap - 1)), first = std::min(k, cap - off);
       const auto* src = static_cast<const std::byte*>(v.front().iov_base);
       std::memcpy(tx_.data + off, src, first);
-      std::memcpy(tx_.data, src + first, k - first);
+      if (k != first) std::memcpy(tx_.data, src + first, k - first);  // wrapped
       tail_ += k;
       room -= k;
-      tcp_provider::consume_iov(v, k);
+      advance(v, k);
     }
     if (tail_ != before) {
       ring_bytes_out += tail_ - before;
@@ -174,6 +179,17 @@ class ring_pipe final : public tcp_provider::byte_pipe {
   void disarm_writer() noexcept override { set_flag(tx_.producer_sleeping, 0); }
 
  private:
+  // consume_iov for `k` bytes of v's first iovec, all of it in the common
+  // case (a block list's frame is one iovec per block: no loop for it).
+  static void advance(std::span<iovec>& v, std::size_t k) noexcept {
+    if (k == v.front().iov_len) {
+      v = v.subspan(1);
+      if (!v.empty() && v.front().iov_len == 0) tcp_provider::consume_iov(v, 0);  // (skips the empty ones)
+    } else {
+      tcp_provider::consume_iov(v, k);
+    }
+  }
+
   // Loads and checks the peer's head: false (and `fault`) if it went
   // backwards or past what we published.
   bool refresh_head() noexcept {
