@@ -22,9 +22,10 @@ done
 # Per process (the initiator has the lower pid: it forks the target), self
 # Ir per function.
 for it in 2 12; do
-  files=($(ls "$work"/cg.$it.* | sort -t. -k3 -n))
-  callgrind_annotate --threshold=100 --inclusive=no "${files[0]}" >"$work/i.$it" 2>/dev/null
-  callgrind_annotate --threshold=100 --inclusive=no "${files[1]}" >"$work/t.$it" 2>/dev/null
+  files=($(cd "$work" && ls cg.$it.* | sort -t. -k3 -n))
+  files=("${files[@]/#/$work/}")
+  callgrind_annotate --auto=no --threshold=100 --inclusive=no "${files[0]}" >"$work/i.$it" 2>/dev/null
+  callgrind_annotate --auto=no --threshold=100 --inclusive=no "${files[1]}" >"$work/t.$it" 2>/dev/null
 done
 python3 - "$work" "$n" "${TOP:-0}" <<'PY'
 import re, sys, collections
