@@ -214,7 +214,8 @@ std::size_t copy_blocks(const block_list& l, std::byte* remote) noexcept {
 // the list checked, then a memcpy per run of adjacent blocks, no operation
 // built. To a region that is not shared: the engine's list frames (the key
 // asked for first where it is not known, as direct_run does). Anything else
-// (GPU memory, a lane to wait in, a notification, a remote_buffer that
+// (GPU memory, a lane to wait in, a notification on a shared region: its
+// message goes through the engine after the copies, a remote_buffer that
 // claims more than the answer covers, a block the engine would refuse) as
 // the generic path, through batch(), whose results it keeps.
 task<block_result> local_connection::transfer_blocks(block_list l) {
@@ -223,7 +224,7 @@ task<block_result> local_connection::transfer_blocks(block_list l) {
   // (A named task around co_await, not a temporary: see batch().)
   enum class via { here, generic, engine } how = via::here;
   auto it = x_.regions.find(l.remote.rkey);
-  if (l.notify || x_.ordered_busy() || (h && l.size != 0 && h->is_device(l.base, l.size))) {
+  if (x_.ordered_busy() || (h && l.size != 0 && h->is_device(l.base, l.size))) {
     how = via::generic;
   } else if (it == x_.regions.end()) {
     if (h && !x_.service_over) {
@@ -246,7 +247,7 @@ task<block_result> local_connection::transfer_blocks(block_list l) {
   const peer_region& pr = it->second;
   const unsigned right = l.write ? access::remote_write : access::remote_read;
   const remote_buffer& r = l.remote;
-  if (!pr.ok || pr.gpu || (pr.access & right) != right || r.address < pr.addr || r.address - pr.addr > pr.length ||
+  if (l.notify || !pr.ok || pr.gpu || (pr.access & right) != right || r.address < pr.addr || r.address - pr.addr > pr.length ||
       r.length > pr.length - (r.address - pr.addr) || s.state() != tp::conn_state::phase::open ||
       !s.pending.empty() || s.slot_waiters || s.credit_waiters || s.responder_waiters ||
       x_.peer_key(pr.slot) != pr.rkey || peer_hung_up())

@@ -9,6 +9,8 @@
 // path (lib/transport/blocks.cpp); the wire and the target are unchanged.
 #include "connection.hpp"
 
+#include "../transport/little_endian.hpp"
+
 #include <deque>
 
 namespace shuttle::detail::tcp_provider {
@@ -89,9 +91,12 @@ task<block_result> conn_state::submit_blocks(std::shared_ptr<conn_state> s, bloc
   std::deque<frame> frames;  // stable: the records are in `pending`
   const bool write = l.write;
   const std::size_t cap = list_cap(*s);
+  // With a notification, the last operation is a WRITE_IMM of its own,
+  // after the list frames (below).
+  const std::size_t listed = l.notify ? ops - 1 : ops;
   std::size_t next = 0;  // the first operation not queued
   std::error_code early{};
-  while (next < ops) {
+  while (next < listed) {
     // A READ_LIST takes one of the peer's responder units; each descriptor
     // a send-queue slot, as many as are free now up to `cap`, at least one
     // (waited for): as a batch's chunk, a frame never holds resources while
@@ -105,7 +110,7 @@ task<block_result> conn_state::submit_blocks(std::shared_ptr<conn_state> s, bloc
         break;
       }
     }
-    const std::size_t want = std::min(cap, ops - next);
+    const std::size_t want = std::min(cap, listed - next);
     std::size_t k = s->slots.try_acquire_up_to(want);
     if (k == 0) {
       ++s->slot_waiters;
@@ -155,6 +160,56 @@ task<block_result> conn_state::submit_blocks(std::shared_ptr<conn_state> s, bloc
     s->wake_writer();
     next += k;
   }
+  if (l.notify && !early) {
+    // The notification: a slot and one of the peer's receive credits, as a
+    // single WRITE_WITH_IMM takes them.
+    if (!s->slots.try_acquire()) {
+      ++s->slot_waiters;
+      auto r = co_await s->slots.acquire();
+      --s->slot_waiters;
+      if (!r) early = r.error();
+    }
+    if (!early && !s->credits.try_acquire()) {
+      ++s->credit_waiters;
+      auto r = co_await s->credits.acquire();
+      --s->credit_waiters;
+      if (!r) {
+        s->slots.release();
+        early = r.error();
+      }
+    }
+    if (!early && s->error) {
+      s->slots.release();
+      s->credits.release();
+      early = s->later_error();
+    }
+    if (!early) {
+      ++s->credits_out;
+      frame& f = frames.emplace_back();
+      f.first = next;
+      f.seq = s->next_seq;
+      f.rec.op = opcode::write_imm;
+      f.rec.seq = s->next_seq++;
+      f.rec.owns_slot = true;
+      header h;
+      h.op = opcode::write_imm;
+      h.flags = flag_imm;
+      h.imm = *l.notify;
+      h.seq = f.seq;
+      h.addr = get_le(table.get() + next * list_entry_size, 8);  // its descriptor's address
+      h.rkey = l.remote.rkey;
+      h.length = static_cast<std::uint32_t>(iov[next].iov_len);
+      out_frame o;
+      encode_header(h, o.hdr);
+      o.payload = static_cast<const std::byte*>(iov[next].iov_base);
+      o.len = iov[next].iov_len;
+      s->outq.push_back(std::move(o));
+      s->pending.push_back(&f.rec);
+      s->idle.reset();
+      s->wake_writer();
+      next = ops;
+    }
+  }
   if (!frames.empty()) {
     // What was queued completes (or fails) in order; wait for all of it:
     // the arrays stay until nothing reads them.
@@ -175,11 +230,10 @@ task<block_result> conn_state::submit_blocks(std::shared_ptr<conn_state> s, bloc
   co_return block_result{};
 }
 
-// Lists go as list frames to a peer that reads them; the rest (an older
-// peer, a notification: its WRITE_IMM is a frame of its own) as the
-// generic path's batch.
+// Lists go as list frames to a peer that reads them; to an older peer as
+// the generic path's batch (a frame per operation).
 task<block_result> tcp_connection::transfer_blocks(block_list l) {
-  if (l.notify || !s_->peer_reads_lists) return connection_impl::transfer_blocks(l);
+  if (!s_->peer_reads_lists) return connection_impl::transfer_blocks(l);
   return conn_state::submit_blocks(s_, l);
 }
 
