@@ -102,16 +102,23 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     seen_tail_ = t;
     std::uint64_t left = avail;
     const std::uint64_t before = head_;
-    while (!v.empty() && left > 0) {
-      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(left, v.front().iov_len));
-      const std::size_t off = static_cast<std::size_t>(head_ & (cap - 1)), first = std::min(k, cap - off);
-      auto* dst = static_cast<std::byte*>(v.front().iov_base);
-      std::memcpy(dst, rx_.data + off, first);
-      if (k != first) std::memcpy(dst + first, rx_.data, k - first);  // wrapped
-      head_ += k;
+    // Copies of the members the loop moves: kept in registers across the
+    // memcpy calls (one iteration per block of a list frame).
+    std::uint64_t head = head_;
+    std::span<iovec> rest = v;
+    std::byte* const data = rx_.data;
+    while (!rest.empty() && left > 0) {
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(left, rest.front().iov_len));
+      const std::size_t off = static_cast<std::size_t>(head & (cap - 1)), first = std::min(k, cap - off);
+      auto* dst = static_cast<std::byte*>(rest.front().iov_base);
+      std::memcpy(dst, data + off, first);
+      if (k != first) std::memcpy(dst + first, data, k - first);  // wrapped
+      head += k;
       left -= k;
-      advance(v, k);
+      advance(rest, k);
     }
+    head_ = head;
+    v = rest;
     if (head_ == before) {
       if (hung_up && !v.empty()) return make_error_code(errc::eof);
       return std::size_t{0};
@@ -136,16 +143,21 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     if (known < want && !refresh_head()) return fault;
     std::uint64_t room = cap - (tail_ - seen_head_);
     const std::uint64_t before = tail_;
-    while (!v.empty() && room > 0) {
-      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, v.front().iov_len));
-      const std::size_t off = static_cast<std::size_t>(tail_ & (cap - 1)), first = std::min(k, cap - off);
-      const auto* src = static_cast<const std::byte*>(v.front().iov_base);
-      std::memcpy(tx_.data + off, src, first);
-      if (k != first) std::memcpy(tx_.data, src + first, k - first);  // wrapped
-      tail_ += k;
+    std::uint64_t tail = tail_;  // (as read_now_v's copies)
+    std::span<iovec> rest = v;
+    std::byte* const data = tx_.data;
+    while (!rest.empty() && room > 0) {
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, rest.front().iov_len));
+      const std::size_t off = static_cast<std::size_t>(tail & (cap - 1)), first = std::min(k, cap - off);
+      const auto* src = static_cast<const std::byte*>(rest.front().iov_base);
+      std::memcpy(data + off, src, first);
+      if (k != first) std::memcpy(data, src + first, k - first);  // wrapped
+      tail += k;
       room -= k;
-      advance(v, k);
+      advance(rest, k);
     }
+    tail_ = tail;
+    v = rest;
     if (tail_ != before) {
       ring_bytes_out += tail_ - before;
       publish(tx_.tail, tail_);
