@@ -99,8 +99,10 @@ task<block_result> conn_state::submit_blocks(std::shared_ptr<conn_state> s, bloc
   while (next < listed) {
     // A READ_LIST takes one of the peer's responder units; each descriptor
     // a send-queue slot, as many as are free now up to `cap`, at least one
-    // (waited for): as a batch's chunk, a frame never holds resources while
-    // it waits for more.
+    // (waited for): as a batch's chunk, a frame never holds slots while it
+    // waits for more. (A READ_LIST waits for its first slot holding its
+    // unit, as a batch's first READ does: slots come back as what is in
+    // flight completes, which needs no unit.)
     if (!write && !s->responder_units.try_acquire()) {
       ++s->responder_waiters;
       auto r = co_await s->responder_units.acquire();
