@@ -69,6 +69,14 @@ class semaphore {
     --count_;
     return true;
   }
+  // As many units as are free now, up to `n` (none while others wait):
+  // how many the caller now owns.
+  std::size_t try_acquire_up_to(std::size_t n) noexcept {
+    if (!waiters_.empty()) return 0;
+    const std::size_t k = n < count_ ? n : count_;
+    count_ -= k;
+    return k;
+  }
   void release(std::size_t n = 1) noexcept {
     if (waiters_.empty()) {  // the common case: no call into the wait list
       if (!closed_) count_ += n;

@@ -603,10 +603,11 @@ class connection {
   //  - Blocks that follow each other in both memories (block i+1 starts
   //    where block i ends, locally and remotely) are merged into one
   //    operation (at most 1 GiB each).
-  //  - The operations go through post_batch: chains cut to fit the send
-  //    queue, only the last of each chain signaled (verbs), one writev per
-  //    chain (tcp; local: on the peer's shared regions a memcpy each, as
-  //    single operations); options.notify turns the last one into a
+  //  - The operations go through post_batch, or a provider's list path with
+  //    the same results: chains cut to fit the send queue, only the last of
+  //    each chain signaled (verbs), list frames cut likewise, one writev per
+  //    chain (tcp; local: on the peer's shared regions a memcpy per run of
+  //    adjacent blocks); options.notify turns the last one into a
   //    write_with_imm, so the peer's message arrives after every block.
   //  - Errors, cancellation: post_batch's. A failure fails the whole list
   //    (never a silent partial success); blocks before the failing one have

@@ -46,6 +46,7 @@ class local_connection final : public connection_impl {
   task<result<void>> post_batch_at(std::span<const operation> ops, std::size_t& failed) override {
     return batch(ops, &failed);
   }
+  task<block_result> transfer_blocks(block_list l) override;  // operations.cpp
   // Prepared operations are the engine's: not from GPU memory (the socket
   // would touch it with the CPU), and not ordered behind the lane.
   result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override {

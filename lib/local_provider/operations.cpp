@@ -173,6 +173,100 @@ std::size_t local_connection::direct_run(std::span<const operation> ops) noexcep
   return i;
 }
 
+namespace {
+// The copies of a checked, non-empty list on our mapping of the remote
+// region (at `remote`), a memcpy per run of adjacent blocks (merged as the
+// generic path merges them); returns how many. Not in the coroutine: its
+// counters stay in registers across the memcpy calls.
+std::size_t copy_blocks(const block_list& l, std::byte* remote) noexcept {
+  const block* blocks = l.blocks.data();
+  const std::size_t n = l.blocks.size();
+  std::byte* const local = l.base;
+  const bool write = l.write;
+  std::size_t ops = 0;
+  std::uint64_t local_at = blocks[0].local_offset, remote_at = blocks[0].remote_offset, length = blocks[0].length;
+  const auto copy = [&] {
+    if (write)
+      std::memcpy(remote + remote_at, local + local_at, length);
+    else
+      std::memcpy(local + local_at, remote + remote_at, length);
+    ++ops;
+  };
+  for (std::size_t i = 1; i < n; ++i) {
+    const block b = blocks[i];
+    if (extends(b, local_at + length, remote_at + length, length)) {
+      length += b.length;
+      continue;
+    }
+    copy();
+    local_at = b.local_offset;
+    remote_at = b.remote_offset;
+    length = b.length;
+  }
+  copy();
+  return ops;
+}
+}  // namespace
+
+// A block list. On a peer's shared host region whose answer covers the
+// whole remote_buffer, with nothing of ours in the engine or the lane (as
+// direct_run's conditions, checked once for the list: it has one region):
+// the list checked, then a memcpy per run of adjacent blocks, no operation
+// built. To a region that is not shared: the engine's list frames (the key
+// asked for first where it is not known, as direct_run does). Anything else
+// (GPU memory, a lane to wait in, a notification on a shared region: its
+// message goes through the engine after the copies, a remote_buffer that
+// claims more than the answer covers, a block the engine would refuse) as
+// the generic path, through batch(), whose results it keeps.
+task<block_result> local_connection::transfer_blocks(block_list l) {
+  const device_hooks* h = installed_device_hooks();
+  const tp::conn_state& s = *s_;
+  // (A named task around co_await, not a temporary: see batch().)
+  enum class via { here, generic, engine } how = via::here;
+  auto it = x_.regions.find(l.remote.rkey);
+  if (x_.ordered_busy() || (h && l.size != 0 && h->is_device(l.base, l.size))) {
+    how = via::generic;
+  } else if (it == x_.regions.end()) {
+    if (h && !x_.service_over) {
+      how = via::generic;  // batch() waits for the answer (GPU memory?)
+    } else {
+      if (!x_.service_over) x_.ask(l.remote.rkey);  // later lists may be done here
+      how = via::engine;
+    }
+  } else if (!it->second.ok && !it->second.gpu && !it->second.unusable) {
+    how = via::engine;
+  }
+  if (how == via::generic) {
+    auto t = connection_impl::transfer_blocks(l);
+    co_return co_await std::move(t);
+  }
+  if (how == via::engine) {
+    auto t = inner_.transfer_blocks(l);
+    co_return co_await std::move(t);
+  }
+  const peer_region& pr = it->second;
+  const unsigned right = l.write ? access::remote_write : access::remote_read;
+  const remote_buffer& r = l.remote;
+  if (l.notify || !pr.ok || pr.gpu || (pr.access & right) != right || r.address < pr.addr || r.address - pr.addr > pr.length ||
+      r.length > pr.length - (r.address - pr.addr) || s.state() != tp::conn_state::phase::open ||
+      !s.pending.empty() || s.slot_waiters || s.credit_waiters || s.responder_waiters ||
+      x_.peer_key(pr.slot) != pr.rkey || peer_hung_up())
+    how = via::generic;
+  std::uint64_t longest = 0;
+  if (how == via::here) {
+    if (auto bad = check_blocks(l, longest); !bad) co_return bad;
+    if (longest > tp::max_rdma_length) how = via::generic;  // the engine refuses it
+  }
+  if (how == via::generic) {
+    auto t = connection_impl::transfer_blocks(l);
+    co_return co_await std::move(t);
+  }
+  const std::size_t ops = copy_blocks(l, pr.at + (r.address - pr.addr));
+  direct_accesses += ops;
+  count_block_list(l.blocks.size(), ops);
+  co_return block_result{};
+}
+
 void local_connection::compare_and_swap(op_slot<std::uint64_t>& out, remote_buffer remote, std::uint64_t expected,
                                         std::uint64_t desired) {
   if (x_.ordered_busy())

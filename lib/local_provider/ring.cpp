@@ -102,16 +102,23 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     seen_tail_ = t;
     std::uint64_t left = avail;
     const std::uint64_t before = head_;
-    while (!v.empty() && left > 0) {
-      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(left, v.front().iov_len));
-      const std::size_t off = static_cast<std::size_t>(head_ & (cap - 1)), first = std::min(k, cap - off);
-      auto* dst = static_cast<std::byte*>(v.front().iov_base);
-      std::memcpy(dst, rx_.data + off, first);
-      std::memcpy(dst + first, rx_.data, k - first);
-      head_ += k;
+    // Copies of the members the loop moves: kept in registers across the
+    // memcpy calls (one iteration per block of a list frame).
+    std::uint64_t head = head_;
+    std::span<iovec> rest = v;
+    std::byte* const data = rx_.data;
+    while (!rest.empty() && left > 0) {
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(left, rest.front().iov_len));
+      const std::size_t off = static_cast<std::size_t>(head & (cap - 1)), first = std::min(k, cap - off);
+      auto* dst = static_cast<std::byte*>(rest.front().iov_base);
+      std::memcpy(dst, data + off, first);
+      if (k != first) std::memcpy(dst + first, data, k - first);  // wrapped
+      head += k;
       left -= k;
-      tcp_provider::consume_iov(v, k);
+      advance(rest, k);
     }
+    head_ = head;
+    v = rest;
     if (head_ == before) {
       if (hung_up && !v.empty()) return make_error_code(errc::eof);
       return std::size_t{0};
@@ -126,21 +133,31 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     if (fault) return fault;
     // The peer's head only when the room we know of is short: it is the
     // line the peer writes on every read (a cache miss per look).
+    // (Summed only until it passes the room known: a list frame is an iovec
+    // per block, and a writev larger than the ring comes back here with
+    // what is left until all of it went.)
+    const std::uint64_t known = cap - (tail_ - seen_head_);
     std::uint64_t want = 0;
-    for (const iovec& e : v) want += e.iov_len;
-    if (cap - (tail_ - seen_head_) < want && !refresh_head()) return fault;
+    for (const iovec& e : v)
+      if ((want += e.iov_len) > known) break;
+    if (known < want && !refresh_head()) return fault;
     std::uint64_t room = cap - (tail_ - seen_head_);
     const std::uint64_t before = tail_;
-    while (!v.empty() && room > 0) {
-      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, v.front().iov_len));
-      const std::size_t off = static_cast<std::size_t>(tail_ & (cap - 1)), first = std::min(k, cap - off);
-      const auto* src = static_cast<const std::byte*>(v.front().iov_base);
-      std::memcpy(tx_.data + off, src, first);
-      std::memcpy(tx_.data, src + first, k - first);
-      tail_ += k;
+    std::uint64_t tail = tail_;  // (as read_now_v's copies)
+    std::span<iovec> rest = v;
+    std::byte* const data = tx_.data;
+    while (!rest.empty() && room > 0) {
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, rest.front().iov_len));
+      const std::size_t off = static_cast<std::size_t>(tail & (cap - 1)), first = std::min(k, cap - off);
+      const auto* src = static_cast<const std::byte*>(rest.front().iov_base);
+      std::memcpy(data + off, src, first);
+      if (k != first) std::memcpy(data, src + first, k - first);  // wrapped
+      tail += k;
       room -= k;
-      tcp_provider::consume_iov(v, k);
+      advance(rest, k);
     }
+    tail_ = tail;
+    v = rest;
     if (tail_ != before) {
       ring_bytes_out += tail_ - before;
       publish(tx_.tail, tail_);
@@ -174,6 +191,17 @@ class ring_pipe final : public tcp_provider::byte_pipe {
   void disarm_writer() noexcept override { set_flag(tx_.producer_sleeping, 0); }
 
  private:
+  // consume_iov for `k` bytes of v's first iovec, all of it in the common
+  // case (a block list's frame is one iovec per block: no loop for it).
+  static void advance(std::span<iovec>& v, std::size_t k) noexcept {
+    if (k == v.front().iov_len) {
+      v = v.subspan(1);
+      if (!v.empty() && v.front().iov_len == 0) tcp_provider::consume_iov(v, 0);  // (skips the empty ones)
+    } else {
+      tcp_provider::consume_iov(v, k);
+    }
+  }
+
   // Loads and checks the peer's head: false (and `fault`) if it went
   // backwards or past what we published.
   bool refresh_head() noexcept {

@@ -17,16 +17,6 @@ task<result<void>> finish_now(std::error_code ec) {
 // in a frame of its own (its header is nothing next to its payload).
 constexpr std::size_t list_block_max = std::size_t(1) << 20;
 
-// Operations in one list frame at most: a quarter of what may be in flight
-// (send-queue slots), so that several frames in flight keep the stream busy
-// while the first ones complete (the target acknowledges or answers a frame
-// once it is whole). READs are not bounded by the peer's responder units
-// here: a READ_LIST takes one unit, as one READ does (its answer is one
-// frame: wire.hpp).
-std::size_t list_cap(const conn_state& s) {
-  return std::clamp<std::size_t>(s.opts.send_queue_depth / 4, 8, max_list_entries);
-}
-
 // Whether operation `o` (header `h`) may be in a list frame at all.
 bool list_eligible(const header& h, const operation& o) {
   return (h.op == opcode::write || h.op == opcode::read_req) && !o.local.empty() && o.local.size() <= list_block_max;

@@ -67,7 +67,7 @@ void conn_state::finish() {
 
 void conn_state::cancel_op(std::uint64_t seq) {
   for (op_rec* r : pending) {
-    if (r->seq == seq && !r->done) {
+    if (seq >= r->seq && seq - r->seq < r->count && !r->done) {
       r->cancelled = true;
       enter_error(err(errc::disconnected));
       return;

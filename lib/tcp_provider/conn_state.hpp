@@ -58,7 +58,12 @@ namespace shuttle::detail::tcp_provider {
 struct op_rec {
   opcode op{};
   std::uint64_t seq = 0;
+  // Requests seq .. seq+count-1: a block list's frame (blocks.cpp) is one
+  // record, completed as a whole (a cumulative ACK inside it moves seq on);
+  // it holds a send-queue slot per request.
+  std::uint32_t count = 1;
   std::span<std::byte> read_dst{};
+  const iovec* read_iov = nullptr;  // a block list's READ_LIST: the destinations, `count` of them
   std::coroutine_handle<> waiter{};
   bool done = false;
   bool cancelled = false;
@@ -92,10 +97,17 @@ struct out_frame {
   // payloads (WRITE_LIST, READ_LIST_RESP), in place of payload/len.
   std::vector<std::byte> table;
   std::vector<iovec> parts;
-  std::size_t iov_count() const noexcept { return 1 + !table.empty() + (parts.empty() ? len != 0 : parts.size()); }
   std::shared_ptr<tcp_region> hold;  // READ_RESP: the region stays registered while we send from it
   grant_use use;                     // READ_RESP through a grant: its revoke waits until this is sent
   std::uint32_t response = 0;        // READ/atomic responses in it: they count against our responder units
+  // A block list's frame (blocks.cpp): its table and payloads in the list's
+  // own arrays, which outlive the frame (the list completes after it went).
+  std::span<const std::byte> xtable;
+  std::span<const iovec> xparts;
+  std::size_t iov_count() const noexcept {
+    const std::size_t n = !parts.empty() ? parts.size() : !xparts.empty() ? xparts.size() : len != 0;
+    return 1 + (!table.empty() || !xtable.empty()) + n;
+  }
 };
 
 // Bytes of receive buffers held by every connection (stats.hpp).
@@ -238,7 +250,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   }
 
   void complete(op_rec* r, std::error_code ec, std::uint64_t v) {
-    if (r->owns_slot) slots.release();
+    if (r->owns_slot) slots.release(r->count);
     if (r->holds_responder) responder_units.release();
     r->done = true;
     r->ec = ec;
@@ -303,6 +315,13 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     while (!pending.empty() && pending.front()->seq <= seq) {
       op_rec* r = pending.front();
       if (!is_ack_type(r->op)) return false;
+      if (seq - r->seq + 1 < r->count) {  // a list frame's first requests (before a NAK inside it)
+        const auto k = static_cast<std::uint32_t>(seq - r->seq + 1);
+        r->seq += k;
+        r->count -= k;
+        if (r->owns_slot) slots.release(k);
+        break;
+      }
       pending.pop_front();
       complete(r, {}, 0);
     }
@@ -393,6 +412,9 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // `failed`, where given: on an error, the index of the failing operation.
   static task<result<void>> submit_batch(std::shared_ptr<conn_state> s, std::vector<header> hs,
                                          std::span<const operation> ops, std::size_t* failed = nullptr);
+  // A block list as list frames, a record per frame (blocks.cpp); the
+  // peer must read list frames.
+  static task<block_result> submit_blocks(std::shared_ptr<conn_state> s, block_list l);
   static task<result<message>> recv(std::shared_ptr<conn_state> s);
   static task<result<void>> close(std::shared_ptr<conn_state> s);
 
@@ -411,6 +433,16 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
 
   phase state_ = phase::open;
 };
+
+// Descriptors in one list frame at most: a quarter of what may be in
+// flight (send-queue slots), so that several frames in flight keep the
+// stream busy while the first ones complete (the target acknowledges or
+// answers a frame once it is whole). READs are not bounded by the peer's
+// responder units here: a READ_LIST takes one unit, as one READ does (its
+// answer is one frame: wire.hpp).
+inline std::size_t list_cap(const conn_state& s) noexcept {
+  return std::clamp<std::size_t>(s.opts.send_queue_depth / 4, 8, max_list_entries);
+}
 
 // Drops `n` bytes (at most what `v` holds) from the front of `v`, in place.
 inline void consume_iov(std::span<iovec>& v, std::size_t n) noexcept {

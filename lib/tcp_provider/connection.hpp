@@ -40,6 +40,7 @@ class tcp_connection final : public connection_impl {
   task<result<void>> post_batch_at(std::span<const operation> ops, std::size_t& failed) override;
   task<result<void>> post_batch_to(std::span<const operation> ops, std::size_t* failed);
   result<std::unique_ptr<prepared_impl>> prepare(const operation& o) override;
+  task<block_result> transfer_blocks(block_list l) override;  // blocks.cpp
   task<result<void>> close() override { return conn_state::close(s_); }
   bool is_open() const noexcept override { return s_->state() == conn_state::phase::open; }
   transport_kind kind() const noexcept override { return transport_kind::tcp; }

@@ -116,25 +116,47 @@ task<conn_state::action> conn_state::take_list(header h) {
   co_return action::next;
 }
 
-// A READ_LIST_RESP: the payloads of the READs it answers (the pending ones
-// from its seq on, which must all be READs, in order, whose sizes sum to
-// its length), scattered straight into their buffers.
+// A READ_LIST_RESP: the payloads of the `n` READs it answers (the pending
+// ones from its seq on, which must all be READs, in order, whose sizes sum
+// to its length), scattered straight into their buffers. A block list's
+// READ_LIST is one record of several READs (blocks.cpp); an answer that
+// stops inside it (a NAK follows) leaves the rest of it pending.
 task<conn_state::action> conn_state::take_list_resp(header h) {
   const auto n = static_cast<std::size_t>(h.arg0);  // decode_header: 1..max_list_entries
-  if (!answered(h.seq) || pending.size() < n) co_return action::protocol;
+  if (!answered(h.seq)) co_return action::protocol;
   list_buffers();
   std::uint64_t bytes = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const op_rec* r = pending[i];
+  std::size_t i = 0, recs = 0, last_took = 0;
+  while (i < n) {
+    if (recs == pending.size()) co_return action::protocol;
+    const op_rec* r = pending[recs++];
     if (r->op != opcode::read_req || r->seq != h.seq + i) co_return action::protocol;
-    list_iov[i] = {r->read_dst.data(), r->read_dst.size()};
-    bytes += r->read_dst.size();
+    if (!r->read_iov) {
+      list_iov[i++] = {r->read_dst.data(), r->read_dst.size()};
+      bytes += r->read_dst.size();
+      last_took = 1;
+      continue;
+    }
+    last_took = std::min<std::size_t>(r->count, n - i);
+    for (std::size_t k = 0; k < last_took; ++k) {
+      list_iov[i++] = r->read_iov[k];
+      bytes += r->read_iov[k].iov_len;
+    }
   }
   if (bytes != h.length) co_return action::protocol;
   // They stay pending while their buffers fill: only the reader pops, and
   // finish() waits for the reader.
   if (!co_await scatter_in(std::span(list_iov.get(), n))) co_return action::io;
-  for (std::size_t i = 0; i < n; ++i) pop_complete(pending.front(), {}, 0);
+  for (std::size_t k = 0; k + 1 < recs; ++k) pop_complete(pending.front(), {}, 0);
+  op_rec* r = pending.front();
+  if (last_took < r->count) {  // answered in part: the NAK of the rest follows
+    r->seq += last_took;
+    r->count -= static_cast<std::uint32_t>(last_took);
+    r->read_iov += last_took;
+    if (r->owns_slot) slots.release(last_took);
+  } else {
+    pop_complete(r, {}, 0);
+  }
   co_return action::next;
 }
 

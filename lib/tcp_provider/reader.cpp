@@ -110,7 +110,7 @@ conn_state::action conn_state::begin_frame(const header& h, std::span<std::byte>
     }
     case opcode::read_resp: {
       op_rec* r = answered(h.seq);
-      if (!r || r->op != opcode::read_req || r->read_dst.size() != h.length) return action::protocol;
+      if (!r || r->op != opcode::read_req || r->read_iov || r->read_dst.size() != h.length) return action::protocol;
       cur_op = r;  // stays the front: only the reader pops, and finish() waits for the reader
       dst = r->read_dst;
       return action::payload;

@@ -150,11 +150,6 @@ result<std::byte*> check_access(const region_view& r, std::uint64_t addr, std::u
   return p;
 }
 
-void encode_list_entry(const list_entry& e, std::span<std::byte, list_entry_size> out) noexcept {
-  put(out.data(), e.addr, 8);
-  put(out.data() + 8, e.length, 4);
-}
-
 result<void> decode_list_table(const header& h, std::span<const std::byte> table, std::span<list_entry> out) noexcept {
   if ((h.op != opcode::write_list && h.op != opcode::read_list) || table.size() != h.table_length() ||
       out.size() < h.arg0)

@@ -37,6 +37,8 @@
 #include <shuttle/error.hpp>
 #include <shuttle/result.hpp>
 
+#include "../transport/little_endian.hpp"
+
 namespace shuttle::tcp_wire {
 
 inline constexpr std::uint32_t hello_magic = 0x4C485453;  // "STHL" little-endian
@@ -177,7 +179,15 @@ struct list_entry {
   std::uint64_t addr = 0;
   std::uint32_t length = 0;
 };
-void encode_list_entry(const list_entry& e, std::span<std::byte, list_entry_size> out) noexcept;
+// Inline: a block list's frames write one per block.
+inline void encode_list_entry(const list_entry& e, std::span<std::byte, list_entry_size> out) noexcept {
+  detail::put_le(out.data(), e.addr, 8);
+  detail::put_le(out.data() + 8, e.length, 4);
+}
+// A descriptor's length, rewritten (a block merged into it).
+inline void set_list_entry_length(std::span<std::byte, list_entry_size> out, std::uint32_t length) noexcept {
+  detail::put_le(out.data() + 8, length, 4);
+}
 // Parses a WRITE_LIST's or READ_LIST's table (h.arg0 descriptors, table.size() ==
 // h.table_length()) into `out` (at least h.arg0 long): every length
 // non-zero and at most max_rdma_length, their sum exactly h.length (in 64

@@ -64,7 +64,9 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
     for (auto& f : batch) {
       iov.push_back({f.hdr.data(), header_size});
       if (!f.table.empty()) iov.push_back({f.table.data(), f.table.size()});
+      else if (!f.xtable.empty()) iov.push_back({const_cast<std::byte*>(f.xtable.data()), f.xtable.size()});
       if (!f.parts.empty()) iov.insert(iov.end(), f.parts.begin(), f.parts.end());
+      else if (!f.xparts.empty()) iov.insert(iov.end(), f.xparts.begin(), f.xparts.end());
       else if (f.len) iov.push_back({const_cast<std::byte*>(f.payload), f.len});
     }
     // A cumulative ACK goes after every response queued before it.

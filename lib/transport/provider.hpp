@@ -46,6 +46,34 @@ class grant_impl {
   const connection_impl* owner = nullptr;
 };
 
+// A block-list transfer as connection::write_blocks / read_blocks hand it
+// to the provider, unchecked: `blocks` in [base, base+size) and `remote`.
+struct block_list {
+  bool write = true;
+  std::byte* base = nullptr;  // write: only read
+  std::size_t size = 0;
+  remote_buffer remote{};
+  std::span<const block> blocks{};
+  std::optional<std::uint32_t> notify{};
+};
+
+// What every provider's block-list path does the same (blocks.cpp).
+// check_blocks: the list's own checks (transport.hpp: a zero length, a
+// block outside `base`/`size` or `remote`), none posted when one fails: the
+// first bad block's error and index, or success; `longest`: the longest
+// block's length. count_block_list: the
+// thread's block_transfer_stats. block_of_operation: the first block of the
+// list's merged operation `op` (merge_blocks' rule), for failed_block().
+block_result check_blocks(const block_list& l, std::uint64_t& longest) noexcept;
+void count_block_list(std::size_t blocks, std::size_t operations) noexcept;
+std::size_t block_of_operation(const block_list& l, std::size_t op) noexcept;
+// Whether block `b` extends an operation that ends at (local_end,
+// remote_end) with `length` bytes so far (blocks.cpp's merging rule).
+inline constexpr std::uint64_t max_merged_block_bytes = std::uint64_t(1) << 30;
+inline bool extends(const block& b, std::uint64_t local_end, std::uint64_t remote_end, std::uint64_t length) noexcept {
+  return b.local_offset == local_end && b.remote_offset == remote_end && length + b.length <= max_merged_block_bytes;
+}
+
 // The single operations are not virtual: a provider hands its table to the
 // constructor (launch_table_of), and connection_op calls into it directly.
 class connection_impl {
@@ -58,6 +86,11 @@ class connection_impl {
   // `failed` is its index, or ops.size() where the provider cannot tell
   // (the default: post_batch itself). For block-list transfers.
   virtual task<result<void>> post_batch_at(std::span<const operation> ops, std::size_t& failed);
+  // connection::write_blocks / read_blocks (`l` unchecked; the connection
+  // is not null). The default (blocks.cpp): the list checked, merged into
+  // operations and posted with post_batch_at. A provider with a cheaper
+  // path for lists overrides it, with the same checks, results and stats.
+  virtual task<block_result> transfer_blocks(block_list l);
   virtual result<std::unique_ptr<prepared_impl>> prepare(const operation& op) = 0;
   virtual task<result<void>> close() = 0;
   virtual bool is_open() const noexcept = 0;

@@ -115,6 +115,57 @@ TEST_CASE("blocks: adjacent blocks are merged, others not") {
   }());
 }
 
+// A send queue much shorter than the lists, two lists at once on one
+// connection: each list is cut where the free slots end (the tcp engine's
+// list frames: of 1 to a few descriptors, interleaved with the other
+// list's), every byte lands, and the slots all come back (a list of the
+// queue's depth, and then more, still go).
+TEST_CASE("blocks: two lists at once through a send queue of 5, every byte checked") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    pair_t p;
+    connection_options shallow;
+    shallow.send_queue_depth = 5;
+    co_await make_pair(p, shallow);
+    constexpr std::size_t n = 300, size = 96;
+    auto src = pattern(4 * n * size, 31);
+    std::vector<std::byte> target(4 * n * size, std::byte{0x5A});
+    auto mr = p.server_domain->register_memory(target, access::all).value();
+    // List a: slots 0..2n-1 of both sides; list b: slots 2n..4n-1.
+    auto a = scattered(n, size, 5), b = scattered(n, size, 6);
+    for (block& x : b) {
+      x.local_offset += 2 * n * size;
+      x.remote_offset += 2 * n * size;
+    }
+    auto [wa, wb] = co_await when_all(p.client.write_blocks(src, mr.remote(), a), p.client.write_blocks(src, mr.remote(), b));
+    REQUIRE(wa.has_value());
+    REQUIRE(wb.has_value());
+    std::size_t bad = 0;
+    for (const auto* l : {&a, &b})
+      for (const block& x : *l)
+        bad += !std::equal(src.begin() + x.local_offset, src.begin() + x.local_offset + x.length,
+                           target.begin() + x.remote_offset);
+    CHECK(bad == 0);
+    std::vector<std::byte> back(src.size(), std::byte{0});
+    auto [ra, rb] = co_await when_all(p.client.read_blocks(back, mr.remote(), a), p.client.read_blocks(back, mr.remote(), b));
+    REQUIRE(ra.has_value());
+    REQUIRE(rb.has_value());
+    bad = 0;
+    for (const auto* l : {&a, &b})
+      for (const block& x : *l)
+        bad += !std::equal(src.begin() + x.local_offset, src.begin() + x.local_offset + x.length,
+                           back.begin() + x.local_offset);
+    CHECK(bad == 0);
+    for (std::size_t len : {std::size_t{5}, std::size_t{40}}) {
+      auto r = co_await with_timeout(p.client.read_blocks(back, mr.remote(), std::span(a).first(len)), 10s);
+      REQUIRE(r.has_value());
+      CHECK(r->has_value());
+    }
+    CHECK(p.client.is_open());
+    co_await close_pair(p);
+  }());
+}
+
 TEST_CASE("blocks: a bad block is refused with its index before anything is posted") {
   io_context ctx;
   ctx.run([]() -> task<void> {

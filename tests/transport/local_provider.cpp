@@ -664,6 +664,59 @@ TEST_CASE("shared region: block lists on the mapping; a refused block at the sta
   }());
 }
 
+// A list whose remote_buffer the region's answer covers whole: checked as a
+// whole before a byte moves (a bad last block: refused, nothing copied,
+// the connection open), then a memcpy per run of adjacent blocks (counted
+// as merged operations, as on every provider), nothing through the engine.
+TEST_CASE("shared region: a list inside the answer: checked first, a memcpy per run of adjacent blocks") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    lpair p;
+    co_await make_lpair(p);
+    constexpr std::size_t size = 1 << 16;
+    auto mem = shared_memory::allocate(size).value();
+    auto mr = p.sd->register_memory(mem.span(), access::all).value();
+    auto rb = mr.remote();
+    REQUIRE(co_await until_direct(p.client, rb.slice(0, 8).value(), pattern(8, 3)));
+    std::fill_n(mem.data(), mem.size(), std::byte{0x5A});
+    auto src = pattern(size, 13);
+    // 10 runs of 4 adjacent 256-byte blocks (runs 4 KiB apart, in reverse
+    // order remotely), then 5 single blocks: 15 operations.
+    std::vector<block> blocks;
+    for (std::uint64_t r = 0; r < 10; ++r)
+      for (std::uint64_t i = 0; i < 4; ++i) blocks.push_back({r * 4096 + i * 256, (9 - r) * 4096 + i * 256, 256});
+    for (std::uint64_t i = 0; i < 5; ++i) blocks.push_back({45056 + i * 1024, 45056 + i * 2048, 100});
+    auto bad_list = blocks;
+    bad_list.back().remote_offset = size - 50;  // past the remote_buffer by 50 bytes
+    const auto d0 = direct_count();
+    const auto s0 = block_transfer_stats();
+    const auto f0 = detail::tcp_list_frames();
+    auto refused = co_await p.client.write_blocks(src, rb, bad_list);
+    REQUIRE_FALSE(refused.has_value());
+    CHECK(refused.error() == std::errc::result_out_of_range);
+    CHECK(refused.failed_block() == bad_list.size() - 1);
+    CHECK(direct_count() == d0);
+    CHECK(std::all_of(mem.data(), mem.data() + size, [](std::byte b) { return b == std::byte{0x5A}; }));
+    CHECK(p.client.is_open());
+    REQUIRE((co_await p.client.write_blocks(src, rb, blocks)).has_value());
+    CHECK(direct_count() - d0 == 15);
+    CHECK(block_transfer_stats().operations - s0.operations == 15);
+    std::size_t bad = 0;
+    for (const block& b : blocks)
+      bad += std::memcmp(mem.data() + b.remote_offset, src.data() + b.local_offset, b.length) != 0;
+    CHECK(bad == 0);
+    std::vector<std::byte> back(size, std::byte{0});
+    REQUIRE((co_await p.client.read_blocks(back, rb, blocks)).has_value());
+    CHECK(direct_count() - d0 == 30);
+    for (const block& b : blocks)
+      bad += std::memcmp(back.data() + b.local_offset, src.data() + b.local_offset, b.length) != 0;
+    CHECK(bad == 0);
+    CHECK(detail::tcp_list_frames().sent == f0.sent);  // nothing through the engine
+    CHECK(p.client.is_open());
+    co_await close_lpair(p);
+  }());
+}
+
 // A list to a key not answered yet goes through the engine and asks for
 // it (nothing else would: a batch does not wait for answers without GPU
 // hooks); a later list is done in place. A batch that mixes: the writes

@@ -47,6 +47,32 @@ TEST_CASE("semaphore limits concurrency and is FIFO") {
   CHECK(sem.available() == 2);
 }
 
+TEST_CASE("semaphore: try_acquire_up_to takes what is free, none while others wait") {
+  io_context ctx;
+  semaphore sem(5);
+  CHECK(sem.try_acquire_up_to(3) == 3);
+  CHECK(sem.try_acquire_up_to(3) == 2);  // only 2 left
+  CHECK(sem.try_acquire_up_to(3) == 0);
+  CHECK(sem.available() == 0);
+  bool got = false;
+  auto waiter = [&]() -> task<void> {
+    REQUIRE((co_await sem.acquire()).has_value());
+    got = true;
+  };
+  auto other = [&]() -> task<void> {
+    co_await yield();  // the waiter is parked
+    CHECK(sem.try_acquire_up_to(1) == 0);
+    sem.release(2);  // one to the waiter, one free
+    CHECK(sem.try_acquire_up_to(4) == 1);
+  };
+  ctx.run(when_all(waiter(), other()));
+  CHECK(got);
+  CHECK(sem.available() == 0);
+  sem.close(std::make_error_code(std::errc::connection_reset));
+  sem.release(3);
+  CHECK(sem.try_acquire_up_to(3) == 0);  // closed: nothing
+}
+
 TEST_CASE("a cancelled semaphore wait does not consume a unit") {
   io_context ctx;
   semaphore sem(0);
