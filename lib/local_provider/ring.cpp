@@ -282,16 +282,22 @@ bool rings_wanted() noexcept {
 }
 
 bool asymmetric_fences_available() noexcept {
-  static const bool ok = [] {
+  static const bool supported = [] {
     const char* e = std::getenv("SHUTTLE_LOCAL_MEMBARRIER");
     if (e && std::strcmp(e, "0") == 0) return false;
     const long cmds = ::syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
-    if (cmds < 0 || (cmds & MEMBARRIER_CMD_GLOBAL_EXPEDITED) == 0 ||
-        (cmds & MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED) == 0)
-      return false;
-    return ::syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) == 0;
+    return cmds >= 0 && (cmds & MEMBARRIER_CMD_GLOBAL_EXPEDITED) != 0 &&
+           (cmds & MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED) != 0;
   }();
-  return ok;
+  if (!supported) return false;
+  // Per process: a child forked after we registered registers itself (it
+  // would otherwise rely on a registration that may not be its own).
+  static std::atomic<pid_t> registered{0};
+  const pid_t me = ::getpid();
+  if (registered.load(std::memory_order_acquire) == me) return true;
+  if (::syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) != 0) return false;
+  registered.store(me, std::memory_order_release);
+  return true;
 }
 
 }  // namespace shuttle::detail::local_provider
