@@ -36,11 +36,13 @@ static_assert((cap & (cap - 1)) == 0 && cap % align == 0 && align >= 2 * sizeof(
 constexpr std::uint64_t footprint(std::uint64_t len) noexcept {
   return (sizeof(std::uint64_t) + len + align - 1) / align * align;
 }
-// The most a record can carry in `room` bytes (room: a multiple of align).
+// The most a record can carry in `room` bytes (the head the consumer
+// publishes may be inside a record: only whole lines count).
 constexpr std::uint64_t fits(std::uint64_t room) noexcept {
+  room &= ~(align - 1);
   return room < 2 * align ? 0 : std::min(max_record, room - align - sizeof(std::uint64_t));
 }
-static_assert(footprint(fits(2 * align)) + align <= 2 * align && footprint(48 + 8) == align);
+static_assert(footprint(fits(2 * align + 5)) + align <= 2 * align && footprint(48 + 8) == align);
 
 std::uint64_t load(const std::uint64_t* p) noexcept {
   return std::atomic_ref<const std::uint64_t>(*p).load(std::memory_order_acquire);
@@ -122,17 +124,13 @@ class ring_pipe final : public tcp_provider::byte_pipe {
       if (hung_up && !v.empty()) return make_error_code(errc::eof);
       return std::size_t{0};
     }
-    // The head: a record's end, once all of it is taken (the producer
-    // reuses whole records). A line only the producer's room check reads:
-    // it stays in our cache meanwhile.
-    const std::uint64_t done = left_ ? record_pos_ : head_;
-    if (done != published_head_) {
-      published_head_ = done;
-      publish(rx_.head, done);
-      // Dekker with the producer's arm_writer: its flag is seen, or it sees our head.
-      publish_barrier();
-      if (take_flag(rx_.producer_sleeping)) ring();
-    }
+    // The head, as far as taken (inside a record too, as a byte stream
+    // frees what is read: no more room is held back than before). A line
+    // only the producer's room check reads: it stays in our cache meanwhile.
+    publish(rx_.head, head_);
+    // Dekker with the producer's arm_writer: its flag is seen, or it sees our head.
+    publish_barrier();
+    if (take_flag(rx_.producer_sleeping)) ring();
     return static_cast<std::size_t>(taken);
   }
 
@@ -211,7 +209,6 @@ class ring_pipe final : public tcp_provider::byte_pipe {
       bad();
       return false;
     }
-    record_pos_ = head_;
     record_end_ = head_ + footprint(len);
     head_ += sizeof(std::uint64_t);
     left_ = len;
@@ -231,10 +228,10 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     if (!asym_ || !membarrier_global_expedited()) std::atomic_thread_fence(std::memory_order_seq_cst);
   }
   // Loads and checks the peer's head: false (and `fault`) if it went
-  // backwards, past what we published, or is not a record's start.
+  // backwards or past what we published.
   bool refresh_head() noexcept {
     const std::uint64_t h = load(tx_.head);
-    if (h - seen_head_ > tail_ - seen_head_ || h % align != 0) {
+    if (h - seen_head_ > tail_ - seen_head_) {
       bad();
       return false;
     }
@@ -257,9 +254,9 @@ class ring_pipe final : public tcp_provider::byte_pipe {
   int bell_;
   bool asym_;
   std::uint64_t tail_ = 0, seen_head_ = 0;  // tx: ours (a record's start), and the peer's last head
-  // rx: the next byte to take, what is left of the record it is in, that
-  // record's start and end, and the head we published last.
-  std::uint64_t head_ = 0, left_ = 0, record_pos_ = 0, record_end_ = 0, published_head_ = 0;
+  // rx: the next byte to take, what is left of the record it is in, and
+  // that record's end.
+  std::uint64_t head_ = 0, left_ = 0, record_end_ = 0;
 };
 
 }  // namespace

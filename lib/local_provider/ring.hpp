@@ -29,8 +29,8 @@
 // The peer can write anything anywhere in it. Our own positions are kept
 // here (what is in shared memory is only published); the peer's are
 // checked on every load: a mark's position must be the one expected and
-// its length within [1, ring_capacity / 4], a head aligned and within
-// [last head, our tail]. Anything else fails the connection with
+// its length within [1, ring_capacity / 4], a head within [last head, our
+// tail] (the producer counts only whole lines of the room it frees). Anything else fails the connection with
 // protocol_error. Header bytes are copied out before they are decoded
 // (the engine's reader), so a peer that changes them meanwhile only sends
 // garbage, which the engine's checks refuse.

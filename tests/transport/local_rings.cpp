@@ -417,8 +417,6 @@ TEST_CASE("rings: a hostile peer's bad marks, indices or garbage fail its connec
        }},
       {"a head past what the server published", true,
        [](raw_peer& r) { r.word(1, lp::ring_head).store(std::uint64_t(1) << 40); }},
-      {"a head that is not a record's start", true,
-       [](raw_peer& r) { r.word(1, lp::ring_head).store(8); }},
   };
   for (auto& e : attacks) {
     const std::string what = e.what;
