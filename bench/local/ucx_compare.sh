@@ -22,6 +22,9 @@ spin_us=${SPIN_US:-1000}
 # third task on the other one) take turns by time slices.
 pin=${PIN:-0}
 on() { if [[ $pin == 1 ]]; then taskset -c "$1" "${@:2}"; else "${@:2}"; fi; }
+# As `on`, for a command put in the background: the subshell becomes the
+# command (exec), so that $! is its pid and `kill` reaches it.
+on_bg() { if [[ $pin == 1 ]]; then exec taskset -c "$1" "${@:2}"; else exec "${@:2}"; fi; }
 bench="$build/bench/local/local_bench"
 [[ -x $bench ]] || { echo "no $bench: build it first (meson -Dbench=true)" >&2; exit 1; }
 if ! command -v ucx_perftest >/dev/null; then
@@ -37,7 +40,7 @@ port=$((20000 + RANDOM % 20000))
 # versions have no percentile column).
 ucx() {
   local test=$1 size=$2 iters=$3 port=$4
-  on 0 ucx_perftest -p "$port" >/dev/null 2>&1 &
+  on_bg 0 ucx_perftest -p "$port" >/dev/null 2>&1 &
   local srv=$!
   sleep 0.5
   local line
