@@ -5,7 +5,8 @@
 #   ucx_perftest -t ucp_put_bw  (1 MiB)  vs local_bench --peer: write_bw 1 MiB into a shared region
 #   ucx_perftest -t ucp_put_lat (8 B)    vs write_lat 8 B
 #   ucx_perftest -t ucp_am_lat  (8 B)    vs send/recv 8 B (half a round trip, as ucx_perftest reports)
-#   (and ucp_tag_lat, printed for reference)
+#   (and ucp_tag_lat, printed for reference; and ring_pingpong, the rings
+#   without the engine, if built)
 # UCX_TLS=sm,self. ucx_perftest busy-polls; so do both local_bench
 # processes here (io_context::options::ring_spin_budget, SPIN_US, default
 # 1000 us: the loops poll the rings, no doorbells). The row "no spin" is the
@@ -21,6 +22,9 @@ spin_us=${SPIN_US:-1000}
 # third task on the other one) take turns by time slices.
 pin=${PIN:-0}
 on() { if [[ $pin == 1 ]]; then taskset -c "$1" "${@:2}"; else "${@:2}"; fi; }
+# As `on`, for a command put in the background: the subshell becomes the
+# command (exec), so that $! is its pid and `kill` reaches it.
+on_bg() { if [[ $pin == 1 ]]; then exec taskset -c "$1" "${@:2}"; else exec "${@:2}"; fi; }
 bench="$build/bench/local/local_bench"
 [[ -x $bench ]] || { echo "no $bench: build it first (meson -Dbench=true)" >&2; exit 1; }
 if ! command -v ucx_perftest >/dev/null; then
@@ -36,7 +40,7 @@ port=$((20000 + RANDOM % 20000))
 # versions have no percentile column).
 ucx() {
   local test=$1 size=$2 iters=$3 port=$4
-  on 0 ucx_perftest -p "$port" >/dev/null 2>&1 &
+  on_bg 0 ucx_perftest -p "$port" >/dev/null 2>&1 &
   local srv=$!
   sleep 0.5
   local line
@@ -58,6 +62,11 @@ declare -A nospin
 while read -r k v; do nospin[$k]=$v; done < <("$bench" --peer "$secs" 0 "$pin")
 declare -A sock
 while read -r k v; do sock[$k]=$v; done < <(SHUTTLE_LOCAL_RINGS=0 "$bench" --peer "$secs" 0 "$pin")
+# The rings alone, no engine (pinned to CPUs 0 and 1 always), if built.
+declare -A ring
+if [[ -x $build/bench/local/ring_pingpong ]]; then
+  while read -r k v _; do ring[$k]=$v; done < <("$build/bench/local/ring_pingpong" "$secs")
+fi
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 == 0) print "nan"; else printf "%.2f", a / b }'; }
 echo "date: $(date -u +%F) host: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); UCX $(ucx_info -v 2>/dev/null | head -1 | sed 's/^# *//')"
@@ -74,4 +83,9 @@ printf '%-34s %12s %12s %8s %s\n' "send lat 8 B, rings, no spin (us)" "${nospin[
   "$(ratio "${nospin[send_lat_8B_us]}" "$ucx_am_lat")" "(loops sleep: a doorbell each)"
 printf '%-34s %12s %12s %8s %s\n' "send lat 8 B, socket path (us)" "${sock[send_lat_8B_us]}" "$ucx_am_lat" \
   "$(ratio "${sock[send_lat_8B_us]}" "$ucx_am_lat")" "(SHUTTLE_LOCAL_RINGS=0)"
+if [[ -n ${ring[ring_half_rtt_56B_membarrier_ns]:-} ]]; then
+  r=$(awk -v n="${ring[ring_half_rtt_56B_membarrier_ns]}" 'BEGIN { printf "%.4f", n / 1e3 }')
+  printf '%-34s %12s %12s %8s %s\n' "56 B, the rings alone (us)" "$r" "$ucx_am_lat" "$(ratio "$r" "$ucx_am_lat")" \
+    "(ring_pingpong: no engine)"
+fi
 printf '%-34s %12s %12s\n' "ucp_tag_lat 8 B (us)" "" "$ucx_tag_lat"

@@ -50,6 +50,7 @@ task<result<std::shared_ptr<tp::conn_state>>> handshake(tcp_socket& sock, std::s
   local_wire::hello h;
   h.from = me;
   h.rings = rings_wanted();
+  h.membarrier = h.rings && asymmetric_fences_available();
   fd_list ring_fd;  // the connector's rings, made here
   if (me == local_wire::role::connector) {
     int pair[2];
@@ -111,7 +112,7 @@ task<result<std::shared_ptr<tp::conn_state>>> handshake(tcp_socket& sock, std::s
   std::unique_ptr<tp::byte_pipe> rings;
   if (h.rings && peer->rings) {
     auto r = map_rings(me == local_wire::role::connector ? ring_fd.fds[0] : got_fds.fds[2],
-                       me == local_wire::role::connector, fd);
+                       me == local_wire::role::connector, fd, h.membarrier && peer->membarrier);
     if (!r) co_return r.error();
     rings = std::move(*r);
   }

@@ -28,7 +28,7 @@ using local_provider::gpu_handle;
 using local_provider::gpu_handle_size;
 
 inline constexpr std::uint32_t hello_magic = 0x4F4C4853;  // "SHLO" little-endian
-inline constexpr std::uint16_t protocol_version = 2;  // 2: the rings' flag and memfd
+inline constexpr std::uint16_t protocol_version = 3;  // 2: the rings' flag and memfd; 3: rings of marked records, membarrier flag
 inline constexpr std::size_t hello_size = 16;
 // Words in a key table: zero-copy registrations a domain holds at once (past
 // it, a registration is accessed through the socket only).
@@ -44,6 +44,9 @@ struct hello {
   // Frames go through shared-memory rings (ring.hpp) if both hellos say so;
   // the connector's then carries the rings' memfd.
   bool rings = false;
+  // This process registered for membarrier (ring.hpp): if both did, the
+  // rings' publishers do not fence; their sleepers issue a membarrier.
+  bool membarrier = false;
   // Descriptors that come with it: the key table, and from the connector
   // the service channel (and the rings' memfd).
   std::size_t fds() const noexcept { return from == role::connector ? 2 + rings : 1; }

@@ -523,6 +523,19 @@ TEST_CASE("local wire: what decodes is well-formed; garbage never does") {
   std::array<std::byte, lw::hello_size> h{};
   lw::encode_hello(lw::hello{}, h);
   CHECK(lw::decode_hello(h).has_value());
+  lw::hello both;
+  both.rings = both.membarrier = true;
+  lw::encode_hello(both, h);
+  auto back = lw::decode_hello(h);
+  REQUIRE(back.has_value());
+  CHECK(back->rings);
+  CHECK(back->membarrier);
+  h[7] = std::byte{4};  // no such flag
+  CHECK(lw::decode_hello(h).error() == make_error_code(errc::protocol_error));
+  lw::encode_hello(lw::hello{}, h);
+  h[4] = std::byte{lw::protocol_version - 1};  // a peer with the rings' older format
+  CHECK(lw::decode_hello(h).error() == make_error_code(errc::wire_version_mismatch));
+  lw::encode_hello(lw::hello{}, h);
   h[6] = std::byte{3};  // no such role
   CHECK(lw::decode_hello(h).error() == make_error_code(errc::protocol_error));
   h[0] = std::byte{'X'};

@@ -1,7 +1,7 @@
 // The local provider's shared-memory rings (lib/local_provider/ring.hpp):
 // messages and one-sided transfers larger than a ring (split across its
 // wrap-around), many messages in flight both ways, a peer killed with
-// operations pending, the sleep/wake boundary hammered, and hostile peers that corrupt the ring indices or
+// operations pending, the sleep/wake boundary hammered, and hostile peers that corrupt the ring marks and indices or
 // fill a ring with garbage (their connection fails with protocol_error, a
 // good connection on the same listener carries on). The provider-neutral
 // cases run over the rings in conformance-local.
@@ -389,28 +389,31 @@ bool taken(const raw_peer& r, std::uint64_t n) {
 
 }  // namespace
 
-TEST_CASE("rings: a hostile peer's bad indices or garbage fail its connection only (protocol_error)") {
+TEST_CASE("rings: a hostile peer's bad marks, indices or garbage fail its connection only (protocol_error)") {
   using attack = std::function<void(raw_peer&)>;
   struct entry {
     const char* what;
     bool server_sends;  // the bad index is the one the server's writer reads
     attack body;
   };
+  // Ring 0's record marks (ring.hpp): at 64-byte aligned positions.
   std::vector<entry> attacks = {
-      {"a tail past the capacity", false,
-       [](raw_peer& r) { r.word(0, lp::ring_tail).store(lp::ring_capacity + 64); }},
-      {"a tail that goes backwards", false,
+      {"a record longer than a ring allows", false,
+       [](raw_peer& r) { r.word(0, lp::ring_ctl).store(lp::ring_mark(0, lp::ring_max_record + 1)); }},
+      {"a record that is not where it says", false,
        [](raw_peer& r) {
-         r.word(0, lp::ring_tail).store(8);  // part of a header: the server takes it and waits
+         r.word(0, lp::ring_ctl + 64).store(0);
+         r.word(0, lp::ring_ctl).store(lp::ring_mark(0, 8));  // part of a header: the server takes it and waits
          r.bell();
-         REQUIRE(taken(r, 8));
-         r.word(0, lp::ring_tail).store(4);
+         REQUIRE(taken(r, 64));
+         r.word(0, lp::ring_ctl + 64).store(lp::ring_mark(64 + lp::ring_capacity, 8));  // an older lap's
        }},
       {"garbage frames", false,
        [](raw_peer& r) {
          auto junk = pattern(4096, 3);
-         std::memcpy(r.rings + lp::ring_ctl, junk.data(), junk.size());
-         r.word(0, lp::ring_tail).store(junk.size());
+         std::memcpy(r.rings + lp::ring_ctl + 8, junk.data(), junk.size());
+         r.word(0, lp::ring_ctl + 4096 + 64).store(0);
+         r.word(0, lp::ring_ctl).store(lp::ring_mark(0, junk.size()));
        }},
       {"a head past what the server published", true,
        [](raw_peer& r) { r.word(1, lp::ring_head).store(std::uint64_t(1) << 40); }},
