@@ -730,6 +730,46 @@ TEST_CASE("shared region: a list inside the answer: checked first, a memcpy per 
   }());
 }
 
+// A list large enough to be copied with streaming stores (operations.cpp:
+// past 8 MiB, runs of 16 KiB and more): unaligned offsets and lengths, runs
+// mixed with small blocks, shuffled remotely; every byte of the blocks
+// lands and nothing around them is touched, both ways.
+TEST_CASE("shared region: a large list (streaming copies): unaligned blocks, bytes exact, nothing else touched") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    lpair p;
+    co_await make_lpair(p);
+    constexpr std::size_t n = 200, slot = (64 << 10) + 256, size = n * slot;
+    auto mem = shared_memory::allocate(size).value();
+    auto mr = p.sd->register_memory(mem.span(), access::all).value();
+    auto rb = mr.remote();
+    REQUIRE(co_await until_direct(p.client, rb.slice(0, 8).value(), pattern(8, 3)));
+    std::fill_n(mem.data(), mem.size(), std::byte{0x5A});
+    auto src = pattern(size, 17);
+    std::vector<block> blocks;
+    std::vector<std::uint64_t> where(n);
+    for (std::size_t i = 0; i < n; ++i) where[i] = (i * 73) % n;  // a permutation (73 and 200 coprime)
+    std::uint64_t local_at = 5;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint64_t len = i % 10 == 9 ? 1000 + i : (64 << 10) + 37 + i % 7;  // small ones among the runs
+      blocks.push_back({local_at, where[i] * slot + 3 + i % 5, len});
+      local_at += len;
+    }
+    REQUIRE((co_await p.client.write_blocks(src, rb, blocks)).has_value());
+    std::vector<std::byte> expect(size, std::byte{0x5A});
+    for (const block& b : blocks) std::memcpy(expect.data() + b.remote_offset, src.data() + b.local_offset, b.length);
+    CHECK(std::memcmp(mem.data(), expect.data(), size) == 0);
+    std::vector<std::byte> back(size, std::byte{0x11});
+    REQUIRE((co_await p.client.read_blocks(back, rb, blocks)).has_value());
+    std::vector<std::byte> expect_back(size, std::byte{0x11});
+    for (const block& b : blocks)
+      std::memcpy(expect_back.data() + b.local_offset, expect.data() + b.remote_offset, b.length);
+    CHECK(std::memcmp(back.data(), expect_back.data(), size) == 0);
+    CHECK(p.client.is_open());
+    co_await close_lpair(p);
+  }());
+}
+
 // A list to a key not answered yet goes through the engine and asks for
 // it (nothing else would: a batch does not wait for answers without GPU
 // hooks); a later list is done in place. A batch that mixes: the writes
