@@ -113,6 +113,13 @@ int main(int argc, char** argv) {
         for (auto& g : p.gids) std::printf("      gid[%d] %s (%s)\n", g.index, g.gid.c_str(), g.type.c_str());
       }
     }
+  if (devs && !devs->empty()) {
+    const std::error_code why = verbs::memory_monitor_status();
+    if (why)
+      std::printf("registration cache (memory the user did not register): off: %s\n", why.message().c_str());
+    else
+      std::printf("registration cache (memory the user did not register): on (userfaultfd memory monitor)\n");
+  }
   {
     io_context ctx;
     ctx.run(local_peer_paths());

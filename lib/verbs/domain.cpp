@@ -124,6 +124,8 @@ result<domain_stats> stats(const domain& d) {
   return st;
 }
 
+std::error_code memory_monitor_status() noexcept { return detail::verbs_impl::memory_monitor::unavailable_reason(); }
+
 result<void> set_registration_cache(domain& d, bool on) {
   auto* v = dynamic_cast<detail::verbs_domain*>(detail::impl_access::of(d));
   if (!v) return make_error_code(errc::not_supported);

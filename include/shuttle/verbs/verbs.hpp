@@ -85,6 +85,10 @@ result<void> set_busy_poll_budget(domain& d, std::chrono::nanoseconds budget);
 // monitor's reason when it cannot run (no userfaultfd, not permitted).
 // errc::not_supported for a non-verbs domain.
 result<void> set_registration_cache(domain& d, bool on);
+// Whether this process has the memory monitor the cache needs: an empty
+// code when it runs (started by this call if not yet), else why not
+// (no userfaultfd, not permitted, turned off, or no verbs provider).
+std::error_code memory_monitor_status() noexcept;
 
 // The domain's connections share one CQ; each reserves entries in it for
 // what it may have outstanding: at connect a few send-queue slots and the
