@@ -574,7 +574,8 @@ TEST_CASE("rings: a ping-pong's SEND carries the ACK and the credit back") {
 // credit withheld stalls it; every wait is bounded (a hang guard).
 TEST_CASE("rings: both sides only send, a window of one: every credit comes back") {
   for (const char* spin : {"0", "20000"}) {
-    CAPTURE(spin);
+    const std::string spin_ns = spin;
+    CAPTURE(spin_ns);
     io_context ctx;
     ctx.run([](const char* spin) -> task<void> {
       io_context::current().set_ring_spin_budget(std::chrono::nanoseconds(std::atoi(spin)));
