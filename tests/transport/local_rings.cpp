@@ -3,7 +3,10 @@
 // wrap-around), many messages in flight both ways, a peer killed with
 // operations pending, the sleep/wake boundary hammered, and hostile peers that corrupt the ring marks and indices or
 // fill a ring with garbage (their connection fails with protocol_error, a
-// good connection on the same listener carries on). The provider-neutral
+// good connection on the same listener carries on; likewise SENDs carrying
+// forged ACKs and credits, or carrying them unannounced), a ping-pong whose
+// SENDs carry the ACK and the credit (one record a message), and both sides
+// only sending through a window of one. The provider-neutral
 // cases run over the rings in conformance-local.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
