@@ -13,9 +13,13 @@
 // both sides (the loops poll the rings instead of sleeping, as ucx_perftest
 // busy-polls); `--peer`'s third argument sets it for the whole run (0: the
 // loops sleep, a doorbell per message).
+// `--rtts N`: exactly N 8-byte send/recv round trips on the rings, both
+// peers on one loop (bench/local/insn.sh counts instructions per round trip
+// with it: a count does not depend on the host's load, a time does).
 // Usage: local_bench [seconds per measurement, default 1] [spin budget in us, default 1000]
 //        | --peer [seconds] [spin budget in us, default 1000] [pin: 1 puts the
 //          server on CPU 0 and the measuring side on CPU 1, as ucx_compare.sh PIN=1]
+//        | --rtts N
 #include <shuttle/local.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
@@ -298,8 +302,36 @@ int peer_main(int argc, char** argv) {
 
 }  // namespace
 
+int rtts_main(int argc, char** argv) {
+  const long n = argc > 2 ? std::max(1L, std::atol(argv[2])) : 1000;
+  double ns = 0;
+  io_context ctx;
+  ctx.run([&]() -> task<void> {
+    peer_pair p;
+    co_await connect_pair(p, transport_kind::local);
+    co_await when_all([&]() -> task<void> { co_await echo(p.server); }(),
+                      [&]() -> task<void> {
+                        spinning spin(spin_budget);
+                        const std::vector<std::byte> msg(8, std::byte{3});
+                        const auto t0 = bench_clock::now();
+                        for (long i = 0; i < n; ++i) {
+                          if (!co_await p.client.send(msg)) std::abort();
+                          auto r = co_await p.client.recv();
+                          if (!r || r->size() != msg.size()) std::abort();
+                        }
+                        ns = std::chrono::duration<double, std::nano>(bench_clock::now() - t0).count() / double(n);
+                        (void)co_await p.client.send({});
+                      }());
+    (void)co_await p.client.close();
+    (void)co_await p.server.close();
+  }());
+  std::printf("rtts %ld\nrtt_8B_ns %.1f\n", n, ns);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--peer") == 0) return peer_main(argc, argv);
+  if (argc > 1 && std::strcmp(argv[1], "--rtts") == 0) return rtts_main(argc, argv);
   if (argc > 1) seconds_per_run = std::max(0.05, std::atof(argv[1]));
   if (argc > 2) spin_budget = std::chrono::microseconds(std::strtoul(argv[2], nullptr, 10));
   constexpr std::size_t size = 1 << 20;

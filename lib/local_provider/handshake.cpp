@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <array>
+#include <cstdlib>
+#include <cstring>
 
 namespace shuttle::detail::local_provider {
 
@@ -38,6 +40,12 @@ void conn_ext::ask(std::uint32_t rkey) noexcept {
 
 namespace {
 std::error_code protocol() noexcept { return make_error_code(errc::protocol_error); }
+
+// SHUTTLE_LOCAL_CARRY=0: separate ACK and CREDIT frames (the A/B baseline).
+bool carry_wanted() noexcept {
+  const char* e = std::getenv("SHUTTLE_LOCAL_CARRY");
+  return !e || std::strcmp(e, "0") != 0;
+}
 }  // namespace
 
 task<result<std::shared_ptr<tp::conn_state>>> handshake(tcp_socket& sock, std::shared_ptr<domain_state> dom,
@@ -51,6 +59,7 @@ task<result<std::shared_ptr<tp::conn_state>>> handshake(tcp_socket& sock, std::s
   h.from = me;
   h.rings = rings_wanted();
   h.membarrier = h.rings && asymmetric_fences_available();
+  h.carried = carry_wanted();
   fd_list ring_fd;  // the connector's rings, made here
   if (me == local_wire::role::connector) {
     int pair[2];
@@ -120,6 +129,7 @@ task<result<std::shared_ptr<tp::conn_state>>> handshake(tcp_socket& sock, std::s
   auto s = co_await tp::handshake(sock, dom->engine, opts);
   if (!s) co_return s.error();
   (*s)->pipe = std::move(rings);
+  (*s)->lim.carried = h.carried && peer->carried;
   (*s)->ext = std::move(x);
   co_return std::move(*s);
 }

@@ -19,7 +19,7 @@ void encode_hello(const hello& h, std::span<std::byte, hello_size> out) noexcept
   put_le(out.data(), hello_magic, 4);
   put_le(out.data() + 4, h.version, 2);
   put_le(out.data() + 6, static_cast<std::uint8_t>(h.from), 1);
-  put_le(out.data() + 7, (h.rings ? 1 : 0) | (h.membarrier ? 2 : 0), 1);  // flags
+  put_le(out.data() + 7, (h.rings ? 1 : 0) | (h.membarrier ? 2 : 0) | (h.carried ? 4 : 0), 1);  // flags
   put_le(out.data() + 8, h.slots, 4);
   put_le(out.data() + 12, 0, 4);
 }
@@ -34,9 +34,10 @@ result<hello> decode_hello(std::span<const std::byte, hello_size> in) noexcept {
   h.from = static_cast<role>(r);
   h.slots = static_cast<std::uint32_t>(get_le(in.data() + 8, 4));
   const auto flags = get_le(in.data() + 7, 1);
-  if (h.slots != key_slots || (flags & ~3u) != 0 || get_le(in.data() + 12, 4) != 0) return bad();
+  if (h.slots != key_slots || (flags & ~7u) != 0 || get_le(in.data() + 12, 4) != 0) return bad();
   h.rings = flags & 1;
   h.membarrier = (flags & 2) != 0;
+  h.carried = (flags & 4) != 0;
   return h;
 }
 

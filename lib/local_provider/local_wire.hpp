@@ -28,7 +28,10 @@ using local_provider::gpu_handle;
 using local_provider::gpu_handle_size;
 
 inline constexpr std::uint32_t hello_magic = 0x4F4C4853;  // "SHLO" little-endian
-inline constexpr std::uint16_t protocol_version = 3;  // 2: the rings' flag and memfd; 3: rings of marked records, membarrier flag
+// 2: the rings' flag and memfd; 3: rings of marked records, membarrier flag;
+// 4: the `carried` flag (an older peer cannot skip a flag: it is refused,
+// wire_version_mismatch, rather than sent SENDs it would not read).
+inline constexpr std::uint16_t protocol_version = 4;
 inline constexpr std::size_t hello_size = 16;
 // Words in a key table: zero-copy registrations a domain holds at once (past
 // it, a registration is accessed through the socket only).
@@ -47,6 +50,9 @@ struct hello {
   // This process registered for membarrier (ring.hpp): if both did, the
   // rings' publishers do not fence; their sleepers issue a membarrier.
   bool membarrier = false;
+  // The engine's SENDs carry ACKs and credits (tcp_wire::limits::carried)
+  // if both hellos say so (SHUTTLE_LOCAL_CARRY=0: not from this process).
+  bool carried = false;
   // Descriptors that come with it: the key table, and from the connector
   // the service channel (and the rings' memfd).
   std::size_t fds() const noexcept { return from == role::connector ? 2 + rings : 1; }

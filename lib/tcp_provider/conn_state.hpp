@@ -329,6 +329,14 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
     return true;
   }
 
+  // The peer returned `n` receive buffers; false past what we consumed.
+  bool take_credits(std::uint64_t n) {
+    if (n > credits_out) return false;
+    credits_out -= static_cast<std::uint32_t>(n);
+    credits.release(n);
+    return true;
+  }
+
   // The front operation, which response `seq` answers (earlier ones acked).
   op_rec* answered(std::uint64_t seq) {
     if (seq == 0 || !ack_upto(seq - 1)) return nullptr;

@@ -23,6 +23,10 @@ namespace shuttle::detail::tcp_provider {
 conn_state::action conn_state::begin_frame(const header& h, std::span<std::byte>& dst) {
   switch (h.op) {
     case opcode::send: {
+      // What it carries (lim.carried: decode_header allowed it), checked as
+      // the ACK and CREDIT frames are.
+      if ((h.flags & flag_ack) && !ack_upto(h.arg0)) return action::protocol;
+      if ((h.flags & flag_credit) && !take_credits(h.arg1)) return action::protocol;
       if (free_slots.empty()) return action::protocol;  // the peer ignored its credits
       // Taken off the list before the payload read waits: a message
       // released meanwhile pushes its slot, which a pop after the read
@@ -121,12 +125,7 @@ conn_state::action conn_state::begin_frame(const header& h, std::span<std::byte>
       pop_complete(r, {}, h.arg0);
       return action::next;
     }
-    case opcode::credit: {
-      if (h.arg0 > credits_out) return action::protocol;
-      credits_out -= static_cast<std::uint32_t>(h.arg0);
-      credits.release(h.arg0);
-      return action::next;
-    }
+    case opcode::credit: return take_credits(h.arg0) ? action::next : action::protocol;
   }
   return action::protocol;
 }

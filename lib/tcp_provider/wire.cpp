@@ -78,7 +78,8 @@ result<header> decode_header(std::span<const std::byte, header_size> in, const l
 
   // Only SEND carries an optional immediate; WRITE_IMM always has one.
   const bool imm_allowed = h.op == opcode::send || h.op == opcode::write_imm;
-  if (h.flags & ~flag_imm) return proto();
+  const std::uint8_t carry = lim.carried && h.op == opcode::send ? flag_ack | flag_credit : 0;
+  if (h.flags & ~(flag_imm | carry)) return proto();
   if ((h.flags & flag_imm) && !imm_allowed) return proto();
   if (!(h.flags & flag_imm) && h.imm != 0) return proto();
   if (h.op == opcode::write_imm && !(h.flags & flag_imm)) return proto();
@@ -95,7 +96,10 @@ result<header> decode_header(std::span<const std::byte, header_size> in, const l
   auto no_target = [&] { return h.addr == 0 && h.rkey == 0; };
   switch (h.op) {
     case opcode::send:
-      if (h.length > lim.max_send || !no_target() || h.arg0 || h.arg1) return proto();
+      if (h.length > lim.max_send || !no_target()) return proto();
+      // What it carries: an ACK's seq (>= 1: seq 0 is no acknowledgement), a CREDIT's count.
+      if ((h.flags & flag_ack) ? h.arg0 == 0 : h.arg0 != 0) return proto();
+      if ((h.flags & flag_credit) ? h.arg1 == 0 || h.arg1 > max_receive_buffers : h.arg1 != 0) return proto();
       break;
     case opcode::write:
     case opcode::write_imm:

@@ -26,6 +26,15 @@
 // counted a list's descriptors; past its units it only stops reading until
 // its writer has taken the responses (back-pressure, never an error).
 //
+// Acks and credits carried by a SEND (flag_ack, flag_credit): a SEND's
+// arg0 and arg1 are otherwise zero; with flag_ack its arg0 is a cumulative
+// ACK (seq >= 1, checked exactly as an ACK frame's), with flag_credit its
+// arg1 is a CREDIT's count. So a small message, the acknowledgement of the
+// peer's and the credit it returns are one frame (one cache line in a
+// ring) instead of three. Only where both peers agreed on it in their
+// handshake (limits::carried: the local provider's hello, version 4);
+// anywhere else those flags are a protocol_error, as before.
+//
 // Everything here is pure (bytes in, values out): the connection engine and
 // the fuzz target share it, so what the fuzzer exercises is what runs.
 #pragma once
@@ -98,6 +107,8 @@ enum class status : std::uint8_t {
 };
 
 inline constexpr std::uint8_t flag_imm = 1;
+inline constexpr std::uint8_t flag_ack = 2;     // SEND: arg0 is a cumulative ACK (limits::carried only)
+inline constexpr std::uint8_t flag_credit = 4;  // SEND: arg1 is a CREDIT's count (limits::carried only)
 
 // WRITE_LIST: a descriptor is the remote address (8 bytes) and the length (4).
 inline constexpr std::size_t list_entry_size = 12;
@@ -143,11 +154,13 @@ void encode_header(const header& h, std::span<std::byte, header_size> out) noexc
 // What the receiving side accepts.
 struct limits {
   std::uint64_t max_send = 65536;  // our receive_buffer_size
+  bool carried = false;            // SENDs may carry an ACK and a CREDIT (flag_ack, flag_credit)
 };
 
 // Parses and validates one header: known opcode, no unknown flags, zero
 // reserved bits, a status only where one belongs, lengths within limits
-// (SEND <= max_send, one-sided <= max_rdma_length, atomics exactly 8 bytes).
+// (SEND <= max_send, one-sided <= max_rdma_length, atomics exactly 8 bytes),
+// an ACK or CREDIT a SEND carries as the frame's would be (lim.carried only).
 // Anything else is errc::protocol_error.
 result<header> decode_header(std::span<const std::byte, header_size> in, const limits& lim) noexcept;
 

@@ -40,10 +40,12 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
       co_await writer_park{*s};
       continue;
     }
-    if (s->outq.empty() && s->credits_to_return == 0 && !ack_waited) {
+    if (s->outq.empty() && (s->credits_to_return == 0 || s->lim.carried) && !ack_waited) {
       // Only an ACK to send: wait one loop turn, so that a response the
       // application makes to what was just received (a ping-pong, an echo)
-      // carries it in the same segment instead of following it.
+      // carries it in the same segment instead of following it. Where SENDs
+      // carry ACKs and credits (wire.hpp), a credit waits that turn too:
+      // the reply is then one frame. One turn only: nothing waits longer.
       ack_waited = true;
       co_await yield();
       continue;
@@ -69,8 +71,17 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
       else if (!f.xparts.empty()) iov.insert(iov.end(), f.xparts.begin(), f.xparts.end());
       else if (f.len) iov.push_back({const_cast<std::byte*>(f.payload), f.len});
     }
+    // Where the peer reads them, the batch's last frame, if a SEND, carries
+    // the ACK (it follows every response in the batch) and the credits.
+    std::byte* carrier = nullptr;
+    if (s->lim.carried && !batch.empty() && batch.back().hdr[0] == std::byte{std::uint8_t(opcode::send)})
+      carrier = batch.back().hdr.data();
     // A cumulative ACK goes after every response queued before it.
-    if (s->outq.empty() && s->ack_seq != s->ack_sent) {
+    if (s->outq.empty() && s->ack_seq != s->ack_sent && carrier) {
+      carrier[1] |= std::byte{flag_ack};
+      detail::put_le(carrier + 32, s->ack_seq, 8);
+      s->ack_sent = s->ack_seq;
+    } else if (s->outq.empty() && s->ack_seq != s->ack_sent) {
       header a;
       a.op = opcode::ack;
       a.seq = s->ack_seq;
@@ -78,7 +89,10 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
       iov.push_back({ackh.data(), header_size});
       s->ack_sent = s->ack_seq;
     }
-    if (s->credits_to_return) {
+    if (s->credits_to_return && carrier) {
+      carrier[1] |= std::byte{flag_credit};
+      detail::put_le(carrier + 40, std::exchange(s->credits_to_return, 0), 8);
+    } else if (s->credits_to_return) {
       header c;
       c.op = opcode::credit;
       c.arg0 = s->credits_to_return;

@@ -39,6 +39,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   auto readback = std::make_unique<std::byte[]>(region_size);
   // Access rights come from the first byte, so every combination is reachable.
   unsigned rights = bytes.empty() ? access::all : (std::to_integer<unsigned>(bytes[0]) & access::all);
+  // Its top bit: whether SENDs may carry ACKs and credits (limits::carried).
+  const bool carried = !bytes.empty() && (std::to_integer<unsigned>(bytes[0]) & 0x80);
   if (!bytes.empty()) bytes = bytes.subspan(1);
 
   if (bytes.size() < hello_size) return 0;
@@ -48,6 +50,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   limits lim;
   lim.max_send = receive_size;
+  lim.carried = carried;
   while (bytes.size() >= header_size) {
     auto h = decode_header(bytes.first<header_size>(), lim);
     bytes = bytes.subspan(header_size);
@@ -59,6 +62,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     switch (h->op) {
       case opcode::send:
         if (h->length > receive_size) fail();  // the decoder must have refused it
+        // What it carries: only where agreed, an ACK of seq >= 1, 1..max credits.
+        if ((h->flags & (flag_ack | flag_credit)) && !carried) fail();
+        if ((h->flags & flag_ack) ? h->arg0 == 0 : h->arg0 != 0) fail();
+        if ((h->flags & flag_credit) ? h->arg1 == 0 || h->arg1 > max_receive_buffers : h->arg1 != 0) fail();
         std::memcpy(recvbuf.get(), body.data(), body.size());
         break;
       case opcode::write:

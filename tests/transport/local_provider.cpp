@@ -524,16 +524,17 @@ TEST_CASE("local wire: what decodes is well-formed; garbage never does") {
   lw::encode_hello(lw::hello{}, h);
   CHECK(lw::decode_hello(h).has_value());
   lw::hello both;
-  both.rings = both.membarrier = true;
+  both.rings = both.membarrier = both.carried = true;
   lw::encode_hello(both, h);
   auto back = lw::decode_hello(h);
   REQUIRE(back.has_value());
   CHECK(back->rings);
   CHECK(back->membarrier);
-  h[7] = std::byte{4};  // no such flag
+  CHECK(back->carried);
+  h[7] = std::byte{8};  // no such flag
   CHECK(lw::decode_hello(h).error() == make_error_code(errc::protocol_error));
   lw::encode_hello(lw::hello{}, h);
-  h[4] = std::byte{lw::protocol_version - 1};  // a peer with the rings' older format
+  h[4] = std::byte{lw::protocol_version - 1};  // a peer whose SENDs carry no ACK (version 3)
   CHECK(lw::decode_hello(h).error() == make_error_code(errc::wire_version_mismatch));
   lw::encode_hello(lw::hello{}, h);
   h[6] = std::byte{3};  // no such role

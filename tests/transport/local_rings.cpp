@@ -3,7 +3,10 @@
 // wrap-around), many messages in flight both ways, a peer killed with
 // operations pending, the sleep/wake boundary hammered, and hostile peers that corrupt the ring marks and indices or
 // fill a ring with garbage (their connection fails with protocol_error, a
-// good connection on the same listener carries on). The provider-neutral
+// good connection on the same listener carries on; likewise SENDs carrying
+// forged ACKs and credits, or carrying them unannounced), a ping-pong whose
+// SENDs carry the ACK and the credit (one record a message), and both sides
+// only sending through a window of one. The provider-neutral
 // cases run over the rings in conformance-local.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -342,7 +345,7 @@ int sealed_memfd(std::size_t size) {
 struct raw_peer {
   int fd = -1, service = -1;
   std::byte* rings = nullptr;
-  bool connect(std::uint16_t port) {
+  bool connect(std::uint16_t port, bool carried) {
     namespace lw = detail::local_wire;
     auto name = endpoint::unix_socket("@shuttle-local:" + std::to_string(port)).value();
     fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -353,6 +356,7 @@ struct raw_peer {
     service = pair[0];
     lw::hello h;
     h.rings = true;
+    h.carried = carried;
     std::array<std::byte, lw::hello_size> hb{};
     lw::encode_hello(h, hb);
     send_fds(fd, hb, {keys, pair[1], ring});
@@ -381,6 +385,29 @@ struct raw_peer {
   }
 };
 
+// One frame, `h` and `payload` zero bytes, as ring 0's first record.
+void put_frame(raw_peer& r, const tcp_wire::header& h, std::size_t payload) {
+  std::array<std::byte, tcp_wire::header_size> hb{};
+  tcp_wire::encode_header(h, hb);
+  std::memcpy(r.rings + lp::ring_ctl + 8, hb.data(), hb.size());
+  std::memset(r.rings + lp::ring_ctl + 8 + hb.size(), 0, payload);
+  const std::size_t len = hb.size() + payload;
+  r.word(0, lp::ring_ctl + (8 + len + 63) / 64 * 64).store(0);
+  r.word(0, lp::ring_ctl).store(lp::ring_mark(0, len));
+}
+
+// An 8-byte SEND carrying `flags` (flag_ack: arg0, flag_credit: arg1).
+tcp_wire::header carrying(std::uint8_t flags, std::uint64_t arg0, std::uint64_t arg1) {
+  tcp_wire::header h;
+  h.op = tcp_wire::opcode::send;
+  h.seq = 1;
+  h.length = 8;
+  h.flags = flags;
+  h.arg0 = arg0;
+  h.arg1 = arg1;
+  return h;
+}
+
 // Waits (bounded) until the server has taken `n` bytes of ring 0.
 bool taken(const raw_peer& r, std::uint64_t n) {
   for (int i = 0; i < 10000 && r.word(0, lp::ring_head).load() != n; ++i) std::this_thread::sleep_for(1ms);
@@ -395,6 +422,7 @@ TEST_CASE("rings: a hostile peer's bad marks, indices or garbage fail its connec
     const char* what;
     bool server_sends;  // the bad index is the one the server's writer reads
     attack body;
+    bool carried = false;  // the raw peer's hello says its SENDs carry ACKs and credits
   };
   // Ring 0's record marks (ring.hpp): at 64-byte aligned positions.
   std::vector<entry> attacks = {
@@ -417,6 +445,13 @@ TEST_CASE("rings: a hostile peer's bad marks, indices or garbage fail its connec
        }},
       {"a head past what the server published", true,
        [](raw_peer& r) { r.word(1, lp::ring_head).store(std::uint64_t(1) << 40); }},
+      // SENDs that carry an ACK or a CREDIT (tcp_wire: flag_ack, flag_credit):
+      {"a carried ACK where the hellos did not agree on it", false,
+       [](raw_peer& r) { put_frame(r, carrying(tcp_wire::flag_ack, 1, 0), 8); }},
+      {"a carried ACK of a request the server never sent", false,
+       [](raw_peer& r) { put_frame(r, carrying(tcp_wire::flag_ack, 1, 0), 8); }, true},
+      {"a carried CREDIT the server never consumed", false,
+       [](raw_peer& r) { put_frame(r, carrying(tcp_wire::flag_credit, 0, 1), 8); }, true},
   };
   for (auto& e : attacks) {
     const std::string what = e.what;
@@ -434,7 +469,7 @@ TEST_CASE("rings: a hostile peer's bad marks, indices or garbage fail its connec
       REQUIRE(gc.has_value());
       std::thread t([&, port] {
         raw_peer r;
-        REQUIRE(r.connect(port));
+        REQUIRE(r.connect(port, e.carried));
         e.body(r);
         r.bell();
         attacked = true;
@@ -468,5 +503,111 @@ TEST_CASE("rings: a hostile peer's bad marks, indices or garbage fail its connec
       (void)co_await gc->close();
       (void)co_await gs->close();
     }(cd, l, port, attacked, e));
+  }
+}
+
+namespace {
+
+// Bytes the rings carried per message over `n` 8-byte round trips (the
+// server echoing each) on a fresh pair; both ends in this loop.
+task<double> ring_bytes_per_message(int n) {
+  lpair p;
+  co_await make_lpair(p);
+  auto echo = [](connection& c, int n) -> task<bool> {
+    for (int i = 0; i < n; ++i) {
+      auto m = co_await c.recv();
+      if (!m) co_return false;
+      std::vector<std::byte> copy(m->data().begin(), m->data().end());
+      m->reset();
+      if (!co_await c.send(copy)) co_return false;
+    }
+    co_return true;
+  };
+  auto ping = [](connection& c, int n) -> task<bool> {
+    const auto msg = pattern(8, 5);
+    for (int i = 0; i < n; ++i) {
+      if (!co_await c.send(msg)) co_return false;
+      auto r = co_await c.recv();
+      if (!r || !same(r->data(), msg)) co_return false;
+    }
+    co_return true;
+  };
+  REQUIRE(co_await exchange(p.client, p.server, pattern(8, 1)));  // the announcements are out
+  const auto before = detail::local_ring_bytes();
+  auto both = co_await with_timeout(when_all(echo(p.server, n), ping(p.client, n)), 60s);
+  REQUIRE(both.has_value());
+  auto [a, b] = *both;
+  const auto after = detail::local_ring_bytes();
+  CHECK(a);
+  CHECK(b);
+  co_await close_lpair(p);
+  co_return double(after - before) / (2.0 * n);
+}
+
+struct env_var {
+  const char* name;
+  env_var(const char* n, const char* v) : name(n) { ::setenv(n, v, 1); }
+  ~env_var() { ::unsetenv(name); }
+};
+
+}  // namespace
+
+// A ping-pong's message, the ACK of the peer's and the credit it returns
+// are one frame (tcp_wire: flag_ack, flag_credit): an 8-byte message is a
+// 56-byte record; with SHUTTLE_LOCAL_CARRY=0, the ACK and the CREDIT
+// follow as frames of their own (152 bytes).
+TEST_CASE("rings: a ping-pong's SEND carries the ACK and the credit back") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    const double carried = co_await ring_bytes_per_message(2000);
+    double separate = 0;
+    {
+      env_var off("SHUTTLE_LOCAL_CARRY", "0");
+      separate = co_await ring_bytes_per_message(2000);
+    }
+    MESSAGE("ring bytes per message: " << carried << " carried, " << separate << " separate");
+    CHECK(carried < 60);
+    CHECK(separate > 150);
+  }());
+}
+
+// Credits that wait for a SEND to carry them are not held back when none
+// comes: both sides only send (nobody replies), with one receive buffer
+// each, so every message waits for the credit of the one before. A
+// credit withheld stalls it; every wait is bounded (a hang guard).
+TEST_CASE("rings: both sides only send, a window of one: every credit comes back") {
+  for (const char* spin : {"0", "20000"}) {
+    const std::string spin_ns = spin;
+    CAPTURE(spin_ns);
+    io_context ctx;
+    ctx.run([](const char* spin) -> task<void> {
+      io_context::current().set_ring_spin_budget(std::chrono::nanoseconds(std::atoi(spin)));
+      connection_options o;
+      o.receive_buffers = 1;
+      lpair p;
+      co_await make_lpair(p, o);
+      constexpr int n = 3000;
+      auto sender = [](connection& c, unsigned seed) -> task<bool> {
+        for (int i = 0; i < n; ++i)
+          if (!co_await c.send(pattern(8 + i % 64, seed + static_cast<unsigned>(i)))) co_return false;
+        co_return true;
+      };
+      auto receiver = [](connection& c, unsigned seed) -> task<bool> {
+        for (int i = 0; i < n; ++i) {
+          auto m = co_await c.recv();
+          if (!m || !same(m->data(), pattern(8 + i % 64, seed + static_cast<unsigned>(i)))) co_return false;
+        }
+        co_return true;
+      };
+      auto all = co_await with_timeout(
+          when_all(sender(p.client, 1), sender(p.server, 2), receiver(p.server, 1), receiver(p.client, 2)), 60s);
+      REQUIRE(all.has_value());
+      auto [a, b, c, d] = *all;
+      CHECK(a);
+      CHECK(b);
+      CHECK(c);
+      CHECK(d);
+      co_await close_lpair(p);
+    }(spin));
   }
 }

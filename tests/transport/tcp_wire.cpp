@@ -143,6 +143,51 @@ TEST_CASE("wire: header round trip and validation") {
   CHECK(decode_header(enc(c), lim).has_value());
 }
 
+TEST_CASE("wire: a SEND carries an ACK and a CREDIT only where both peers agreed") {
+  limits lim;
+  header s;
+  s.op = opcode::send;
+  s.length = 8;
+  s.flags = flag_ack | flag_credit;
+  s.seq = 9;
+  s.arg0 = 7;  // ACK of seq 7
+  s.arg1 = 2;  // 2 credits
+  CHECK(proto(decode_header(enc(s), lim).error()));  // not agreed: as before, an unknown flag
+  header bare = s;
+  bare.flags = 0;
+  CHECK(proto(decode_header(enc(bare), lim).error()));  // nor the fields without the flags
+  lim.carried = true;
+  auto d = decode_header(enc(s), lim);
+  REQUIRE(d.has_value());
+  CHECK(d->flags == (flag_ack | flag_credit));
+  CHECK(d->arg0 == 7);
+  CHECK(d->arg1 == 2);
+  CHECK(d->payload_length() == 8);
+  CHECK(proto(decode_header(enc(bare), lim).error()));  // arg0/arg1 without their flag
+  header one = s;
+  one.flags = flag_ack | flag_imm;
+  one.imm = 5;
+  one.arg1 = 0;
+  CHECK(decode_header(enc(one), lim).has_value());
+  one.arg0 = 0;  // an ACK of seq 0 acknowledges nothing
+  CHECK(proto(decode_header(enc(one), lim).error()));
+  header c = s;
+  c.flags = flag_credit;
+  c.arg0 = 0;
+  c.arg1 = 0;  // zero credits
+  CHECK(proto(decode_header(enc(c), lim).error()));
+  c.arg1 = max_receive_buffers + 1;
+  CHECK(proto(decode_header(enc(c), lim).error()));
+  c.arg1 = max_receive_buffers;
+  CHECK(decode_header(enc(c), lim).has_value());
+  header w;  // only a SEND carries them
+  w.op = opcode::write;
+  w.flags = flag_ack;
+  w.arg0 = 1;
+  w.length = 8;
+  CHECK(proto(decode_header(enc(w), lim).error()));
+}
+
 TEST_CASE("wire: access checks are exact and overflow-safe") {
   alignas(8) std::byte mem[64];
   region_view v{mem, 64, access::all};
