@@ -86,10 +86,14 @@ memory_monitor* memory_monitor::instance() noexcept {
     start_error = start(m);
     return !start_error;
   }();
-  return started ? &m : nullptr;
+  return started && !forked_ ? &m : nullptr;
 }
 
-std::error_code memory_monitor::unavailable_reason() noexcept { return instance() ? std::error_code{} : start_error; }
+std::error_code memory_monitor::unavailable_reason() noexcept {
+  if (instance()) return {};
+  if (forked_) return std::make_error_code(std::errc::not_supported);  // a child of fork(): see usable()
+  return start_error;
+}
 
 std::error_code memory_monitor::start(memory_monitor& m) noexcept {
   if (const char* v = std::getenv("SHUTTLE_REGISTRATION_CACHE"); v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0))
@@ -105,6 +109,10 @@ std::error_code memory_monitor::start(memory_monitor& m) noexcept {
   if (::ioctl(fd, UFFDIO_API, &api) != 0 || (api.features & wanted_events) != wanted_events ||
       !(api.features & UFFD_FEATURE_PAGEFAULT_FLAG_WP) || !(api.ioctls & (1ULL << _UFFDIO_REGISTER))) {
     int e = errno ? errno : ENOTSUP;
+    ::close(fd);
+    return errno_ec(e);
+  }
+  if (int e = pthread_atfork(nullptr, nullptr, &memory_monitor::on_fork_child); e != 0) {
     ::close(fd);
     return errno_ec(e);
   }
@@ -187,6 +195,7 @@ void memory_monitor::unsubscribe(unmap_listener& l) noexcept {
 }
 
 std::error_code memory_monitor::watch(std::uintptr_t begin, std::uintptr_t end) {
+  if (forked_) return std::make_error_code(std::errc::not_supported);
   std::vector<mapping> maps;
   if (auto ec = mappings_of(begin, end, maps)) return ec;
   std::uintptr_t covered = begin;

@@ -48,6 +48,11 @@ class memory_monitor {
   static memory_monitor* instance() noexcept;
   static std::error_code unavailable_reason() noexcept;
 
+  // False in a child of fork(): the monitor's thread and its userfaultfd
+  // (bound to the parent's address space) stay with the parent, and the
+  // child's mappings raise no event, so nothing may be cached there.
+  static bool usable() noexcept { return !forked_; }
+
   // Watches the pages of [begin, end): every mapping overlapping them, whole,
   // so that watching never splits a mapping. errc::not_supported when part of
   // the range is not private anonymous memory, or is not mapped; the
@@ -74,6 +79,9 @@ class memory_monitor {
   static std::error_code start(memory_monitor& m) noexcept;
   static void* run(void* self) noexcept;
   void apply(std::uintptr_t begin, std::uintptr_t end) noexcept;
+
+  static void on_fork_child() noexcept { forked_ = true; }
+  static inline bool forked_ = false;  // set in the child (single-threaded then)
 
   int uffd_ = -1;
   std::mutex lock_;

@@ -59,6 +59,7 @@ class registration_cache final : public unmap_listener {
   // A live entry covering [a, a+len) (with local write if asked), else null.
   std::shared_ptr<verbs_region> find(std::uintptr_t a, std::size_t len, bool need_write) {
     std::shared_ptr<verbs_region> out;
+    if (!memory_monitor::usable()) return out;  // a child of fork(): no events here
     {
       std::lock_guard g(mon_.lock());
       if (dead_) bury_dead_locked();

@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -262,6 +263,35 @@ TEST_CASE("cache: unmaps racing lookups on another thread never leave a stale en
   noise.join();
   MESSAGE("cached in " << cached << " of 300 rounds (the others raced an unrelated unmap)");
   ::munmap(p, 4 * page);
+}
+
+TEST_CASE("fork: the child has no monitor and its caches find nothing; the parent's is unchanged") {
+  vi::registration_cache c(monitor());
+  fake_registrar reg;
+  std::byte* p = map_anon(4 * page);
+  REQUIRE(c.insert(addr(p), 4 * page, reg));
+  REQUIRE(c.find(addr(p), 8, false) != nullptr);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    // The child: its unmaps raise no event (the userfaultfd is bound to
+    // the parent's address space), so nothing may be found or cached.
+    int bad = 0;
+    bad += vi::memory_monitor::instance() != nullptr;
+    bad += vi::memory_monitor::usable();
+    bad += vi::memory_monitor::unavailable_reason() != std::errc::not_supported;
+    bad += c.find(addr(p), 8, false) != nullptr;
+    bad += c.insert(addr(p) + page, page, reg).has_value();
+    ::_exit(bad);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(vi::memory_monitor::usable());
+  CHECK(c.find(addr(p), 8, false) != nullptr);
+  ::munmap(p, 4 * page);
+  CHECK(c.find(addr(p), 8, false) == nullptr);
 }
 
 int main(int argc, char** argv) {
