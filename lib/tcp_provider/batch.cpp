@@ -1,6 +1,7 @@
 // Batches (connection::post_batch) and prepared operations: the request
 // headers are built once, up front.
 #include "connection.hpp"
+#include "counted_acquire.hpp"
 
 #include <algorithm>
 
@@ -109,9 +110,7 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
       }
       if (!s->slots.try_acquire()) {
         if (end > queued) break;
-        ++s->slot_waiters;
-        auto r = co_await s->slots.acquire();
-        --s->slot_waiters;
+        auto r = co_await counted_acquire(s->slots, s->slot_waiters);
         if (!r) {
           early = r.error();
           break;
@@ -122,9 +121,7 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
           s->slots.release();
           break;
         }
-        ++s->credit_waiters;
-        auto r = co_await s->credits.acquire();
-        --s->credit_waiters;
+        auto r = co_await counted_acquire(s->credits, s->credit_waiters);
         if (!r) {
           s->slots.release();
           early = r.error();
@@ -136,9 +133,7 @@ task<result<void>> conn_state::submit_batch(std::shared_ptr<conn_state> s, std::
           s->slots.release();
           break;
         }
-        ++s->responder_waiters;
-        auto r = co_await s->responder_units.acquire();
-        --s->responder_waiters;
+        auto r = co_await counted_acquire(s->responder_units, s->responder_waiters);
         if (!r) {
           s->slots.release();
           early = r.error();

@@ -8,6 +8,7 @@
 // per block. Checks, merging, results and stats are those of the generic
 // path (lib/transport/blocks.cpp); the wire and the target are unchanged.
 #include "connection.hpp"
+#include "counted_acquire.hpp"
 
 #include "../transport/little_endian.hpp"
 
@@ -104,9 +105,7 @@ task<block_result> conn_state::submit_blocks(std::shared_ptr<conn_state> s, bloc
     // unit, as a batch's first READ does: slots come back as what is in
     // flight completes, which needs no unit.)
     if (!write && !s->responder_units.try_acquire()) {
-      ++s->responder_waiters;
-      auto r = co_await s->responder_units.acquire();
-      --s->responder_waiters;
+      auto r = co_await counted_acquire(s->responder_units, s->responder_waiters);
       if (!r) {
         early = r.error();
         break;
@@ -115,9 +114,7 @@ task<block_result> conn_state::submit_blocks(std::shared_ptr<conn_state> s, bloc
     const std::size_t want = std::min(cap, listed - next);
     std::size_t k = s->slots.try_acquire_up_to(want);
     if (k == 0) {
-      ++s->slot_waiters;
-      auto r = co_await s->slots.acquire();
-      --s->slot_waiters;
+      auto r = co_await counted_acquire(s->slots, s->slot_waiters);
       if (!r) {
         if (!write) s->responder_units.release();
         early = r.error();
@@ -166,15 +163,11 @@ task<block_result> conn_state::submit_blocks(std::shared_ptr<conn_state> s, bloc
     // The notification: a slot and one of the peer's receive credits, as a
     // single WRITE_WITH_IMM takes them.
     if (!s->slots.try_acquire()) {
-      ++s->slot_waiters;
-      auto r = co_await s->slots.acquire();
-      --s->slot_waiters;
+      auto r = co_await counted_acquire(s->slots, s->slot_waiters);
       if (!r) early = r.error();
     }
     if (!early && !s->credits.try_acquire()) {
-      ++s->credit_waiters;
-      auto r = co_await s->credits.acquire();
-      --s->credit_waiters;
+      auto r = co_await counted_acquire(s->credits, s->credit_waiters);
       if (!r) {
         s->slots.release();
         early = r.error();
