@@ -8,7 +8,8 @@
 //    rings against the socket path (SHUTTLE_LOCAL_RINGS=0) and tcp.
 // Both peers run in this process on one loop; the initiator writes through
 // its own mapping of the target's memfd, as a peer process would.
-// `--peer`: the peers in two processes (for bench/local/ucx_compare.sh).
+// `--peer`: the peers in two processes (for bench/local/ucx_compare.sh),
+// with a write ping-pong (ucp_put_lat's method) after the rows above.
 // The latency rows run with io_context::options::ring_spin_budget set on
 // both sides (the loops poll the rings instead of sleeping, as ucx_perftest
 // busy-polls); `--peer`'s third argument sets it for the whole run (0: the
@@ -30,6 +31,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -124,6 +126,90 @@ task<double> write_lat_ns(connection& c, remote_buffer rb) {
     el = bench_clock::now() - t0;
   } while (el.count() < seconds_per_run);
   co_return el.count() * 1e9 / double(n);
+}
+
+// A write ping-pong, as ucx_perftest's ucp_put_lat runs one: each side
+// writes a counter into the other's shared region and spins on its own
+// region's first word until the peer's arrives (the spin is the
+// application's, no loop turn, as ucx_perftest's); half a round trip is the
+// latency of a write to a peer that watches for it. (write_lat_ns above is
+// a write's completion, which on a shared region is the memcpy alone.)
+std::uint64_t word_of(std::span<std::byte> mem) {
+  return std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(mem.data()))
+      .load(std::memory_order_acquire);
+}
+
+std::array<std::byte, 8> bytes_of(std::uint64_t v) {
+  std::array<std::byte, 8> b;
+  std::memcpy(b.data(), &v, 8);
+  return b;
+}
+
+constexpr std::uint64_t pong_end = ~std::uint64_t{0};
+
+// The set-up both sides go through: descriptors exchanged, one write each
+// way (the first write to a region waits for the peer's loop to answer
+// for it, so neither side spins yet), then both loops left to settle.
+// `mine` is this side's region, its first word zeroed by the peer.
+task<remote_buffer> pong_setup(connection& c, const memory_region& mine, bool first) {
+  std::array<std::byte, remote_buffer::wire_size> wire{};
+  mine.remote().serialize(wire);
+  remote_buffer peer{};
+  auto take = [&]() -> task<void> {
+    auto m = (co_await c.recv()).value();
+    peer = remote_buffer::deserialize(m.data().first<remote_buffer::wire_size>());
+  };
+  if (first) {
+    if (!co_await c.send(wire)) std::abort();
+    co_await take();
+  } else {
+    co_await take();
+    if (!co_await c.send(wire)) std::abort();
+  }
+  if (!co_await c.write(bytes_of(0), peer.slice(0, 8).value())) std::abort();
+  // Each side's "written" message tells the other its word is zero.
+  if (!co_await c.send(bytes_of(0))) std::abort();
+  (void)(co_await c.recv()).value();
+  (void)co_await sleep_for(20ms);  // acknowledgements and credits go now, not while we spin
+  co_return peer.slice(0, 8).value();
+}
+
+// The echoing half, until the peer's pong_end.
+task<void> pong_echo(connection& c, std::span<std::byte> mine, remote_buffer peer) {
+  std::uint64_t last = 0;
+  for (;;) {
+    std::uint64_t v;
+    while ((v = word_of(mine)) == last) __builtin_ia32_pause();
+    last = v;
+    if (v == pong_end) co_return;
+    if (!co_await c.write(bytes_of(v), peer)) std::abort();
+  }
+}
+
+// The measuring half: mean ns per round trip.
+task<double> pong_ns(connection& c, std::span<std::byte> mine, remote_buffer peer) {
+  std::uint64_t n = 0;
+  std::array<std::byte, 8> out{};
+  auto once = [&] {
+    out = bytes_of(++n);
+    return c.write(out, peer);
+  };
+  for (int i = 0; i < 2000; ++i) {
+    if (!co_await once()) std::abort();
+    while (word_of(mine) != n) __builtin_ia32_pause();
+  }
+  const std::uint64_t n0 = n;
+  auto t0 = bench_clock::now();
+  std::chrono::duration<double> el{};
+  do {
+    for (int i = 0; i < 1024; ++i) {
+      if (!co_await once()) std::abort();
+      while (word_of(mine) != n) __builtin_ia32_pause();
+    }
+    el = bench_clock::now() - t0;
+  } while (el.count() < seconds_per_run);
+  if (!co_await c.write(bytes_of(pong_end), peer)) std::abort();
+  co_return el.count() * 1e9 / double(n - n0);
 }
 
 // send/recv ping-pong: `size`-byte messages, the server echoing each; mean
@@ -262,6 +348,8 @@ int peer_main(int argc, char** argv) {
       mr.remote().serialize(wire);
       (void)co_await c.send(wire);
       co_await echo(c);
+      auto peer = co_await pong_setup(c, mr, false);
+      co_await pong_echo(c, mem.span(), peer);
       (void)co_await c.close();
     }());
     std::_Exit(0);
@@ -270,7 +358,7 @@ int peer_main(int argc, char** argv) {
   std::uint16_t port = 0;
   if (::read(pfd[0], &port, sizeof port) != sizeof port) return 1;
   io_context ctx(lo);
-  double bw = 0, lat = 0, rtt = 0;
+  double bw = 0, lat = 0, rtt = 0, pong = 0;
   std::uint64_t sleeps = 0, msgs = 0;
   ctx.run([&]() -> task<void> {
     auto d = domain::open(o).value();
@@ -286,6 +374,10 @@ int peer_main(int argc, char** argv) {
     sleeps = ctx.loop_sleeps() - s0;
     msgs = std::uint64_t(std::chrono::duration<double>(bench_clock::now() - t0).count() * 1e9 / rtt);
     (void)co_await c.send({});
+    auto mine = shared_memory::allocate(4096).value();
+    auto mr = d.register_memory(mine.span(), access::all).value();
+    auto peer = co_await pong_setup(c, mr, true);
+    pong = co_await pong_ns(c, mine.span(), peer);
     (void)co_await c.close();
   }());
   int status = 0;
@@ -293,6 +385,7 @@ int peer_main(int argc, char** argv) {
   // Bandwidth in MiB/s: ucx_perftest's "MB/s" are 2^20 bytes a second.
   std::printf("write_bw_1MiB_MiBps %.1f\nwrite_lat_8B_us %.4f\nsend_lat_8B_us %.4f\n", bw * 1e9 / 1048576.0,
               lat / 1e3, rtt / 2e3);
+  std::printf("write_pingpong_8B_us %.4f\n", pong / 2e3);
   // The measuring side's sleeps per round trip in the ping-pong (about 1
   // with no spin budget, about 0 when the loops poll the rings).
   std::printf("spin_budget_us %lld\nsleeps_per_rtt %.3f\n", static_cast<long long>(spin_budget.count()),
