@@ -24,6 +24,8 @@ class local_connection final : public connection_impl {
     if (on_device(msg)) return out.set_result(make_error_code(errc::unregistered_device_memory));  // the socket's
     if (x_.ordered_busy())
       out.set_task(in_lane_void({lane_op::kind::send, const_cast<std::byte*>(msg.data()), msg.size()}));
+    else if (s_->pipe && msg.size() <= s_->peer.receive_buffer_size)  // (longer: the engine refuses it)
+      out.emplace<tp::pipe_send>(s_, msg);  // into the ring from here where it can (tp::conn_state::try_pipe_send)
     else
       inner_.send(out, msg);
   }

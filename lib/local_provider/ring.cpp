@@ -184,6 +184,17 @@ class ring_pipe final : public tcp_provider::byte_pipe {
     return {};
   }
 
+  bool try_write_now(std::span<iovec> v) noexcept override {
+    if (fault) return false;
+    std::uint64_t want = 0;
+    for (const iovec& e : v) want += e.iov_len;
+    if (want == 0 || want > max_record) return false;
+    if (fits(cap - (tail_ - seen_head_)) < want && (!refresh_head() || fits(cap - (tail_ - seen_head_)) < want))
+      return false;  // (a bad head: `fault`, which the engine's writer fails with)
+    auto r = write_now(v);  // fits: one record, all of it
+    return r && v.empty();
+  }
+
   // The loop is about to sleep (byte_pipe::try_enter_interrupt_mode).
   // Dekker with write_now: flag, barrier, look; it publishes, barrier, looks.
   bool arm_reader() noexcept override {

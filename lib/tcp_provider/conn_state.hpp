@@ -216,6 +216,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // Writer.
   std::deque<out_frame> outq;
   std::coroutine_handle<> writer_waiter{};
+  bool pipe_backlog = false;  // the writer waits for room for the rest of what it took from outq
   clock::time_point refuse_deadline{};  // phase::refusing: when the loops give up on the NAK and the peer
 
   // State (change it through the transitions only).
@@ -405,6 +406,13 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   task<result<void>> pipe_write_all(std::span<iovec> v);
   static task<void> bell_loop(std::shared_ptr<conn_state> s);
   std::error_code pipe_error(std::error_code ec) const noexcept { return pipe && pipe->fault ? pipe->fault : ec; }
+  // A SEND of `msg` written into the pipe now, from the application's call,
+  // when nothing of ours is ahead of it (queued, being written, waiting for
+  // a slot, a credit or a responder unit) and its slot, its credit and the
+  // room are there: what the writer would have written (the ACK and the
+  // credits carried as it carries them), without its turn. `rec` is then
+  // pending (completed by the ACK, as the engine's). False: nothing done.
+  bool try_pipe_send(op_rec& rec, std::span<const std::byte> msg);
 
   // Writer (writer.cpp).
   static task<void> writer_loop(std::shared_ptr<conn_state> s);
@@ -480,6 +488,25 @@ struct canceller {
   void operator()() const noexcept {
     cancel_on_loop(*s->ctx, [sp = s->shared_from_this(), q = seq] { sp->cancel_op(q); });
   }
+};
+
+// An op_slot state (detail/connection_op.hpp): a SEND over a pipe,
+// try_pipe_send's, its op_rec in the awaiting coroutine's frame (no task);
+// where it cannot be (something ahead of it, no credit or room), the
+// engine's submit, as tcp_connection::send. Either way, the operation's
+// checks, order, completion (the peer's ACK), cancellation and errors are
+// the engine's.
+struct pipe_send {
+  std::shared_ptr<conn_state> s;
+  std::span<const std::byte> msg;
+  op_rec rec;
+  std::optional<std::stop_callback<canceller>> cb;
+  std::optional<task<result<void>>> engine;
+  std::error_code early;
+  pipe_send(std::shared_ptr<conn_state> st, std::span<const std::byte> m) noexcept : s(std::move(st)), msg(m) {}
+  bool start() noexcept { return false; }  // the stop token comes with suspend()
+  std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token token);
+  result<void> take();
 };
 
 }  // namespace shuttle::detail::tcp_provider
