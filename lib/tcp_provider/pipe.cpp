@@ -5,6 +5,13 @@
 
 #include <array>
 
+namespace shuttle::detail {
+namespace {
+thread_local std::uint64_t pipe_sends = 0;  // a connection belongs to one thread
+}
+std::uint64_t local_ring_sends() noexcept { return pipe_sends; }
+}  // namespace shuttle::detail
+
 namespace shuttle::detail::tcp_provider {
 
 byte_pipe::~byte_pipe() {
@@ -141,6 +148,7 @@ bool conn_state::try_pipe_send(op_rec& rec, std::span<const std::byte> msg) {
   rec.owns_slot = true;  // returned on completion, as submit returns it
   pending.push_back(&rec);
   idle.reset();
+  ++pipe_sends;
   return true;
 }
 
