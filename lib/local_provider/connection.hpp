@@ -29,7 +29,7 @@ class local_connection final : public connection_impl {
     else
       inner_.send(out, msg);
   }
-  void recv(op_slot<message>& out) { inner_.recv(out); }
+  void recv(op_slot<message>& out) { out.emplace<tp::inbox_recv>(s_); }  // the engine's recv, without a task
   void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote);
   void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
                       std::uint32_t imm) {

@@ -432,6 +432,8 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // peer must read list frames.
   static task<block_result> submit_blocks(std::shared_ptr<conn_state> s, block_list l);
   static task<result<message>> recv(std::shared_ptr<conn_state> s);
+  // What recv makes of what the inbox gave it (operations.cpp).
+  result<message> take_message(result<inbound> r);
   static task<result<void>> close(std::shared_ptr<conn_state> s);
 
  private:
@@ -490,6 +492,44 @@ struct canceller {
   }
 };
 
+// conn_state::pipe_wait as an awaiter, without a task of its own: the
+// reader's wait for the next frame, once per message when the connection
+// is not busy. The wait ends (the pipe is no longer polled for it) when
+// the awaiter goes, after the resumption or with a frame destroyed suspended.
+class pipe_awaiter {
+ public:
+  pipe_awaiter(byte_pipe& p, io_context& ctx, bool reading) noexcept
+      : p_(p), ctx_(ctx), reading_(reading), ev_((reading ? p.readable : p.writable).wait()) {}
+  pipe_awaiter(const pipe_awaiter&) = delete;
+  pipe_awaiter& operator=(const pipe_awaiter&) = delete;
+  ~pipe_awaiter() {
+    if (began_) p_.wait_end(reading_);
+  }
+  bool await_ready() {
+    // Hung up: the reader's read_now says eof once the ring is empty; a
+    // writer that waits for room would wait for ever (nobody rings).
+    if (p_.gone) return true;
+    (reading_ ? p_.readable : p_.writable).reset();
+    p_.wait_begin(ctx_, reading_);
+    began_ = true;
+    return false;
+  }
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    return ev_.await_suspend(h);
+  }
+  result<void> await_resume() const noexcept {
+    if (!began_) return reading_ ? result<void>{} : result<void>(err(errc::disconnected));
+    return ev_.await_resume();
+  }
+
+ private:
+  byte_pipe& p_;
+  io_context& ctx_;
+  bool reading_, began_ = false;
+  event::awaiter ev_;
+};
+
 // An op_slot state (detail/connection_op.hpp): a SEND over a pipe,
 // try_pipe_send's, its op_rec in the awaiting coroutine's frame (no task);
 // where it cannot be (something ahead of it, no credit or room), the
@@ -507,6 +547,19 @@ struct pipe_send {
   bool start() noexcept { return false; }  // the stop token comes with suspend()
   std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token token);
   result<void> take();
+};
+
+// An op_slot state: conn_state::recv without a task of its own (the
+// awaiting coroutine parks on the inbox itself), with its outcomes.
+struct inbox_recv {
+  std::shared_ptr<conn_state> s;
+  channel<inbound>::receive_awaiter rx;
+  explicit inbox_recv(std::shared_ptr<conn_state> st) noexcept : s(std::move(st)), rx(s->inbox.receive()) {}
+  bool start() { return rx.await_ready(); }
+  std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token token) {
+    return rx.suspend_with(h, std::move(token)) ? std::noop_coroutine() : h;
+  }
+  result<message> take() { return s->take_message(rx.await_resume()); }
 };
 
 }  // namespace shuttle::detail::tcp_provider
