@@ -112,8 +112,16 @@ bool conn_state::try_pipe_send(op_rec& rec, std::span<const std::byte> msg) {
   if (state_ != phase::open || pipe_backlog || !outq.empty() || slot_waiters || credit_waiters ||
       responder_waiters || pipe->fault || pipe->gone)
     return false;
-  if (!slots.try_acquire()) return false;
+  // In the queue first (it may throw), taken back if the frame does not go.
+  rec.op = opcode::send;
+  rec.seq = next_seq;
+  pending.push_back(&rec);
+  if (!slots.try_acquire()) {
+    pending.pop_back();
+    return false;
+  }
   if (!credits.try_acquire()) {
+    pending.pop_back();
     slots.release();
     return false;
   }
@@ -136,6 +144,7 @@ bool conn_state::try_pipe_send(op_rec& rec, std::span<const std::byte> msg) {
   encode_header(h, hdr);
   iovec v[2] = {{hdr.data(), header_size}, {const_cast<std::byte*>(msg.data()), msg.size()}};
   if (!pipe->try_write_now(std::span<iovec>(v, msg.empty() ? 1 : 2))) {
+    pending.pop_back();
     credits.release();
     slots.release();
     return false;
@@ -143,10 +152,8 @@ bool conn_state::try_pipe_send(op_rec& rec, std::span<const std::byte> msg) {
   if (ack) ack_sent = ack_seq;
   if (credit) credits_to_return = 0;
   ++credits_out;
-  rec.op = opcode::send;
-  rec.seq = next_seq++;
+  ++next_seq;
   rec.owns_slot = true;  // returned on completion, as submit returns it
-  pending.push_back(&rec);
   idle.reset();
   ++pipe_sends;
   return true;
