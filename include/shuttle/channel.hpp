@@ -110,6 +110,11 @@ class channel {
     bool await_suspend(std::coroutine_handle<P> h) {
       return c_.receivers_.park(node_, h, detail::stop_token_of(h));
     }
+    // await_suspend with the stop token given: for an awaiter that holds
+    // this one (a provider's operation state, detail/connection_op.hpp).
+    bool suspend_with(std::coroutine_handle<> h, std::stop_token token) {
+      return c_.receivers_.park(node_, h, std::move(token));
+    }
     result<T> await_resume() {
       if (node_.value) return std::move(*node_.value);
       if (node_.cancelled) return detail::canceled();

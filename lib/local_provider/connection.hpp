@@ -24,10 +24,12 @@ class local_connection final : public connection_impl {
     if (on_device(msg)) return out.set_result(make_error_code(errc::unregistered_device_memory));  // the socket's
     if (x_.ordered_busy())
       out.set_task(in_lane_void({lane_op::kind::send, const_cast<std::byte*>(msg.data()), msg.size()}));
+    else if (s_->pipe && msg.size() <= s_->peer.receive_buffer_size)  // (longer: the engine refuses it)
+      out.emplace<tp::pipe_send>(s_, msg);  // into the ring from here where it can (tp::conn_state::try_pipe_send)
     else
       inner_.send(out, msg);
   }
-  void recv(op_slot<message>& out) { inner_.recv(out); }
+  void recv(op_slot<message>& out) { out.emplace<tp::inbox_recv>(s_); }  // the engine's recv, without a task
   void write(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote);
   void write_with_imm(op_slot<void>& out, std::span<const std::byte> local, remote_buffer remote,
                       std::uint32_t imm) {

@@ -90,10 +90,34 @@ class ring_pipe final : public tcp_provider::byte_pipe {
       : base_(base), tx_(base, connector ? 0 : 1), rx_(base, connector ? 1 : 0), bell_(bell), asym_(asymmetric) {}
   ~ring_pipe() override { ::munmap(base_, ring_bytes); }
 
+  // read_now_v for one buffer (a frame's header, then its payload: twice a
+  // message), without the iovec walk.
   result<std::size_t> read_now(std::span<std::byte> buf) noexcept override {
-    iovec one{buf.data(), buf.size()};
-    std::span<iovec> v(&one, 1);
-    return read_now_v(v);
+    if (fault) return fault;
+    const bool hung_up = gone;  // before the marks, as read_now_v
+    std::size_t taken = 0;
+    while (taken < buf.size()) {
+      if (left_ == 0 && !next_record()) {
+        if (fault) return fault;
+        break;
+      }
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(left_, buf.size() - taken));
+      const std::size_t off = static_cast<std::size_t>(head_ & (cap - 1)), first = std::min(k, cap - off);
+      std::memcpy(buf.data() + taken, rx_.data + off, first);
+      if (k != first) std::memcpy(buf.data() + taken + first, rx_.data, k - first);  // wrapped
+      head_ += k;
+      left_ -= k;
+      taken += k;
+      if (left_ == 0) head_ = record_end_;
+    }
+    if (taken == 0) {
+      if (hung_up && !buf.empty()) return make_error_code(errc::eof);
+      return std::size_t{0};
+    }
+    publish(rx_.head, head_);
+    publish_barrier();
+    if (take_flag(rx_.producer_sleeping)) ring();
+    return taken;
   }
 
   result<std::size_t> read_now_v(std::span<iovec>& v) noexcept override {
@@ -182,6 +206,33 @@ class ring_pipe final : public tcp_provider::byte_pipe {
       if (take_flag(tx_.consumer_sleeping)) ring();
     }
     return {};
+  }
+
+  bool try_write_now(std::span<iovec> v) noexcept override {
+    if (fault) return false;
+    std::uint64_t want = 0;
+    for (const iovec& e : v) want += e.iov_len;
+    if (want == 0 || want > max_record) return false;
+    if (fits(cap - (tail_ - seen_head_)) < want && (!refresh_head() || fits(cap - (tail_ - seen_head_)) < want))
+      return false;  // (a bad head: `fault`, which the engine's writer fails with)
+    // write_now's record, in one go.
+    const std::uint64_t pos = tail_;
+    std::uint64_t at = pos + sizeof(std::uint64_t);
+    for (const iovec& e : v) {
+      const std::size_t k = e.iov_len;
+      const std::size_t off = static_cast<std::size_t>(at & (cap - 1)), first = std::min(k, cap - off);
+      const auto* src = static_cast<const std::byte*>(e.iov_base);
+      std::memcpy(tx_.data + off, src, first);
+      if (k != first) std::memcpy(tx_.data, src + first, k - first);  // wrapped
+      at += k;
+    }
+    tail_ = pos + footprint(want);
+    std::atomic_ref<std::uint64_t>(*tx_.mark(tail_)).store(0, std::memory_order_relaxed);
+    publish(tx_.mark(pos), ring_mark(pos, want));
+    ring_bytes_out += want;
+    publish_barrier();  // Dekker with the consumer's arm_reader
+    if (take_flag(tx_.consumer_sleeping)) ring();
+    return true;
   }
 
   // The loop is about to sleep (byte_pipe::try_enter_interrupt_mode).

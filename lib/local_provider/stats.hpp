@@ -15,5 +15,8 @@ std::uint64_t local_gpu_copies() noexcept;
 // and the bytes its connections published into them.
 std::uint64_t local_ring_pipes() noexcept;
 std::uint64_t local_ring_bytes() noexcept;
+// SENDs the calling thread's connections wrote into a ring from the
+// application's call (tcp_provider::conn_state::try_pipe_send).
+std::uint64_t local_ring_sends() noexcept;
 
 }  // namespace shuttle::detail

@@ -216,6 +216,7 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // Writer.
   std::deque<out_frame> outq;
   std::coroutine_handle<> writer_waiter{};
+  bool pipe_backlog = false;  // the writer waits for room for the rest of what it took from outq
   clock::time_point refuse_deadline{};  // phase::refusing: when the loops give up on the NAK and the peer
 
   // State (change it through the transitions only).
@@ -405,6 +406,13 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   task<result<void>> pipe_write_all(std::span<iovec> v);
   static task<void> bell_loop(std::shared_ptr<conn_state> s);
   std::error_code pipe_error(std::error_code ec) const noexcept { return pipe && pipe->fault ? pipe->fault : ec; }
+  // A SEND of `msg` written into the pipe now, from the application's call,
+  // when nothing of ours is ahead of it (queued, being written, waiting for
+  // a slot, a credit or a responder unit) and its slot, its credit and the
+  // room are there: what the writer would have written (the ACK and the
+  // credits carried as it carries them), without its turn. `rec` is then
+  // pending (completed by the ACK, as the engine's). False: nothing done.
+  bool try_pipe_send(op_rec& rec, std::span<const std::byte> msg);
 
   // Writer (writer.cpp).
   static task<void> writer_loop(std::shared_ptr<conn_state> s);
@@ -424,6 +432,8 @@ struct conn_state : std::enable_shared_from_this<conn_state> {
   // peer must read list frames.
   static task<block_result> submit_blocks(std::shared_ptr<conn_state> s, block_list l);
   static task<result<message>> recv(std::shared_ptr<conn_state> s);
+  // What recv makes of what the inbox gave it (operations.cpp).
+  result<message> take_message(result<inbound> r);
   static task<result<void>> close(std::shared_ptr<conn_state> s);
 
  private:
@@ -480,6 +490,76 @@ struct canceller {
   void operator()() const noexcept {
     cancel_on_loop(*s->ctx, [sp = s->shared_from_this(), q = seq] { sp->cancel_op(q); });
   }
+};
+
+// conn_state::pipe_wait as an awaiter, without a task of its own: the
+// reader's wait for the next frame, once per message when the connection
+// is not busy. The wait ends (the pipe is no longer polled for it) when
+// the awaiter goes, after the resumption or with a frame destroyed suspended.
+class pipe_awaiter {
+ public:
+  pipe_awaiter(byte_pipe& p, io_context& ctx, bool reading) noexcept
+      : p_(p), ctx_(ctx), reading_(reading), ev_((reading ? p.readable : p.writable).wait()) {}
+  pipe_awaiter(const pipe_awaiter&) = delete;
+  pipe_awaiter& operator=(const pipe_awaiter&) = delete;
+  ~pipe_awaiter() {
+    if (began_) p_.wait_end(reading_);
+  }
+  bool await_ready() {
+    // Hung up: the reader's read_now says eof once the ring is empty; a
+    // writer that waits for room would wait for ever (nobody rings).
+    if (p_.gone) return true;
+    (reading_ ? p_.readable : p_.writable).reset();
+    p_.wait_begin(ctx_, reading_);
+    began_ = true;
+    return false;
+  }
+  template <class P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    return ev_.await_suspend(h);
+  }
+  result<void> await_resume() const noexcept {
+    if (!began_) return reading_ ? result<void>{} : result<void>(err(errc::disconnected));
+    return ev_.await_resume();
+  }
+
+ private:
+  byte_pipe& p_;
+  io_context& ctx_;
+  bool reading_, began_ = false;
+  event::awaiter ev_;
+};
+
+// An op_slot state (detail/connection_op.hpp): a SEND over a pipe,
+// try_pipe_send's, its op_rec in the awaiting coroutine's frame (no task);
+// where it cannot be (something ahead of it, no credit or room), the
+// engine's submit, as tcp_connection::send. Either way, the operation's
+// checks, order, completion (the peer's ACK), cancellation and errors are
+// the engine's.
+struct pipe_send {
+  std::shared_ptr<conn_state> s;
+  std::span<const std::byte> msg;
+  op_rec rec;
+  std::optional<std::stop_callback<canceller>> cb;
+  std::optional<task<result<void>>> engine;
+  std::error_code early;
+  pipe_send(std::shared_ptr<conn_state> st, std::span<const std::byte> m) noexcept : s(std::move(st)), msg(m) {}
+  bool start() noexcept { return false; }  // the stop token comes with suspend()
+  std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token token);
+  result<void> take();
+};
+
+// An op_slot state: conn_state::recv without a task of its own (the
+// awaiting coroutine parks on the inbox itself), with its outcomes.
+struct inbox_recv {
+  std::shared_ptr<conn_state> s;
+  channel<inbound>::receive_awaiter rx;
+  explicit inbox_recv(std::shared_ptr<conn_state> st) noexcept : s(std::move(st)), rx(s->inbox.receive()) {}
+  bool start() { return rx.await_ready(); }
+  std::coroutine_handle<> suspend(std::coroutine_handle<> h, std::stop_token token) {
+    return rx.suspend_with(h, std::move(token)) ? std::noop_coroutine() : h;
+  }
+  result<message> take() { return s->take_message(rx.await_resume()); }
 };
 
 }  // namespace shuttle::detail::tcp_provider

@@ -92,14 +92,17 @@ task<result<void>> conn_state::submit_void(std::shared_ptr<conn_state> s, header
 
 task<result<message>> conn_state::recv(std::shared_ptr<conn_state> s) {
   auto r = co_await s->inbox.receive();
+  co_return s->take_message(std::move(r));
+}
+
+result<message> conn_state::take_message(result<inbound> r) {
   if (!r) {
-    if (r.error() == std::errc::broken_pipe) co_return s->error ? s->error : err(errc::disconnected);
-    co_return r.error();
+    if (r.error() == std::errc::broken_pipe) return error ? error : err(errc::disconnected);
+    return r.error();
   }
   inbound in = *r;
-  if (s->messages_out++ == 0) s->keepalive = s;
-  co_return message(std::span<const std::byte>(s->slot_data(in.slot), in.len), in.imm, &release_message, s.get(),
-                    in.slot);
+  if (messages_out++ == 0) keepalive = shared_from_this();
+  return message(std::span<const std::byte>(slot_data(in.slot), in.len), in.imm, &release_message, this, in.slot);
 }
 
 tcp_connection::tcp_connection(std::shared_ptr<conn_state> s) noexcept

@@ -5,6 +5,13 @@
 
 #include <array>
 
+namespace shuttle::detail {
+namespace {
+thread_local std::uint64_t pipe_sends = 0;  // a connection belongs to one thread
+}
+std::uint64_t local_ring_sends() noexcept { return pipe_sends; }
+}  // namespace shuttle::detail
+
 namespace shuttle::detail::tcp_provider {
 
 byte_pipe::~byte_pipe() {
@@ -99,6 +106,91 @@ task<result<void>> conn_state::pipe_write_all(std::span<iovec> v) {
     if (v.empty()) co_return result<void>{};
     if (auto r = co_await pipe_wait(false); !r) co_return r.error();
   }
+}
+
+bool conn_state::try_pipe_send(op_rec& rec, std::span<const std::byte> msg) {
+  if (state_ != phase::open || pipe_backlog || !outq.empty() || slot_waiters || credit_waiters ||
+      responder_waiters || pipe->fault || pipe->gone)
+    return false;
+  // In the queue first (it may throw), taken back if the frame does not go.
+  rec.op = opcode::send;
+  rec.seq = next_seq;
+  pending.push_back(&rec);
+  if (!slots.try_acquire()) {
+    pending.pop_back();
+    return false;
+  }
+  if (!credits.try_acquire()) {
+    pending.pop_back();
+    slots.release();
+    return false;
+  }
+  header h;
+  h.op = opcode::send;
+  h.length = static_cast<std::uint32_t>(msg.size());
+  h.seq = next_seq;
+  // As the writer's last frame of a batch: outq is empty, so the ACK
+  // follows every response.
+  const bool ack = lim.carried && ack_seq != ack_sent, credit = lim.carried && credits_to_return != 0;
+  if (ack) {
+    h.flags |= flag_ack;
+    h.arg0 = ack_seq;
+  }
+  if (credit) {
+    h.flags |= flag_credit;
+    h.arg1 = credits_to_return;
+  }
+  std::array<std::byte, header_size> hdr;
+  encode_header(h, hdr);
+  iovec v[2] = {{hdr.data(), header_size}, {const_cast<std::byte*>(msg.data()), msg.size()}};
+  if (!pipe->try_write_now(std::span<iovec>(v, msg.empty() ? 1 : 2))) {
+    pending.pop_back();
+    credits.release();
+    slots.release();
+    return false;
+  }
+  if (ack) ack_sent = ack_seq;
+  if (credit) credits_to_return = 0;
+  ++credits_out;
+  ++next_seq;
+  rec.owns_slot = true;  // returned on completion, as submit returns it
+  idle.reset();
+  ++pipe_sends;
+  return true;
+}
+
+std::coroutine_handle<> pipe_send::suspend(std::coroutine_handle<> h, std::stop_token token) {
+  conn_state& c = *s;
+  // submit's checks, in its order.
+  if (c.error) {
+    early = c.later_error();
+    return h;
+  }
+  if (token.stop_requested()) {
+    early = std::make_error_code(std::errc::operation_canceled);
+    return h;
+  }
+  if (c.try_pipe_send(rec, msg)) {
+    rec.waiter = h;
+    if (token.stop_possible()) cb.emplace(std::move(token), canceller{&c, rec.seq});
+    return std::noop_coroutine();
+  }
+  header hd;
+  hd.op = opcode::send;
+  hd.length = static_cast<std::uint32_t>(msg.size());
+  engine.emplace(conn_state::submit_void(s, hd, msg));
+  auto child = engine->handle();
+  child.promise().set_continuation(h);
+  child.promise().set_stop_token(std::move(token));
+  return child;
+}
+
+result<void> pipe_send::take() {
+  if (engine) return engine->handle().promise().take();
+  if (early) return early;
+  cb.reset();
+  if (rec.ec) return rec.ec;
+  return {};
 }
 
 // Any byte is a doorbell: both sleepers look again. The socket's end (the

@@ -43,6 +43,10 @@ struct byte_pipe : poller {
   // Copies what fits of `v` (consumed from its front, in place) and
   // publishes it. Error: protocol_error (`fault`).
   virtual result<void> write_now(std::span<iovec>& v) noexcept = 0;
+  // All of `v` as one record, or nothing (no room for all of it, larger
+  // than a record, or `fault`): false, and nothing was written. A small
+  // SEND from the application's call (conn_state::try_pipe_send).
+  virtual bool try_write_now(std::span<iovec> v) noexcept = 0;
   // About to sleep on `readable` (`writable`): tells the peer to ring, then
   // looks again. False: no sleep (something there, or the peer is gone).
   virtual bool arm_reader() noexcept = 0;

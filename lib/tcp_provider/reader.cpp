@@ -272,8 +272,19 @@ task<void> conn_state::reader_loop(std::shared_ptr<conn_state> s) {
     if (!got) break;
     if (*got < header_size) {
       auto rest = std::span(hb).subspan(*got);
-      auto r = s->pipe ? co_await s->pipe_read_exact(rest) : co_await s->sock.read_exact(rest);
-      if (!r) break;
+      if (s->pipe) {  // pipe_read_exact's loop, its wait without a task (a wait per message)
+        bool ok = true;
+        while (ok && !rest.empty()) {
+          ok = (co_await pipe_awaiter(*s->pipe, *s->ctx, true)).has_value();
+          if (!ok) break;
+          auto n = s->pipe->read_now(rest);
+          ok = n.has_value();
+          if (ok) rest = rest.subspan(*n);
+        }
+        if (!ok) break;
+      } else if (!co_await s->sock.read_exact(rest)) {
+        break;
+      }
       frames = 0;  // resumed by the loop: a new turn
     }
     auto h = decode_header(hb, s->lim);

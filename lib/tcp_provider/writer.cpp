@@ -105,6 +105,7 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
       std::span<iovec> v(iov);
       r = s->pipe->write_now(v);
       if (r && !v.empty()) {
+        s->pipe_backlog = true;  // no SEND from the application's call overtakes the rest (try_pipe_send)
         if (s->state() != phase::refusing) {
           r = co_await s->pipe_write_all(v);
         } else {
@@ -112,6 +113,7 @@ task<void> conn_state::writer_loop(std::shared_ptr<conn_state> s) {
           r = left.count() > 0 ? co_await with_timeout(s->pipe_write_all(v), left) : err(errc::disconnected);
           if (!r) s->abort_io();
         }
+        s->pipe_backlog = false;
       }
     } else if (s->state() != phase::refusing) {
       r = co_await s->sock.writev_all(iov);

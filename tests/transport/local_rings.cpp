@@ -5,8 +5,10 @@
 // fill a ring with garbage (their connection fails with protocol_error, a
 // good connection on the same listener carries on; likewise SENDs carrying
 // forged ACKs and credits, or carrying them unannounced), a ping-pong whose
-// SENDs carry the ACK and the credit (one record a message), and both sides
-// only sending through a window of one. The provider-neutral
+// SENDs carry the ACK and the credit (one record a message), both sides
+// only sending through a window of one, and SENDs written into the ring
+// from the application's call (never ahead of what the engine holds, falling
+// back when the ring is full, cancelled in flight). The provider-neutral
 // cases run over the rings in conformance-local.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -610,4 +612,150 @@ TEST_CASE("rings: both sides only send, a window of one: every credit comes back
       co_await close_lpair(p);
     }(spin));
   }
+}
+
+namespace {
+
+// Message i of an ordered run: its index, then pattern(size - 8, i).
+std::vector<std::byte> indexed(std::uint64_t i, std::size_t size) {
+  auto v = pattern(size, static_cast<unsigned>(i) + 77);
+  std::memcpy(v.data(), &i, 8);
+  return v;
+}
+
+// Receives `sizes.size()` messages and checks that message i is indexed(i, sizes[i]).
+task<bool> recv_in_order(connection& c, std::vector<std::size_t> sizes) {
+  for (std::uint64_t i = 0; i < sizes.size(); ++i) {
+    auto m = co_await c.recv();
+    if (!m || !same(m->data(), indexed(i, sizes[i]))) co_return false;
+  }
+  co_return true;
+}
+
+// Sends of the given sizes, all posted in one go (each starts before the
+// one after it: when_all starts them in order), and received in order.
+task<void> posted_in_one_go(lpair& p, const std::vector<std::size_t>& sizes) {
+  std::vector<std::vector<std::byte>> msgs;
+  for (std::uint64_t i = 0; i < sizes.size(); ++i) msgs.push_back(indexed(i, sizes[i]));
+  std::vector<task<result<void>>> sends;
+  for (auto& m : msgs) sends.push_back(p.client.send(m));
+  auto [rs, got] = co_await when_all(when_all(std::move(sends)), recv_in_order(p.server, sizes));
+  for (auto& r : rs) CHECK(r.has_value());
+  CHECK(got);
+}
+
+}  // namespace
+
+// A SEND goes into the ring from the application's call only when nothing
+// of ours is ahead of it in the engine: behind a send too large for a
+// record (the engine's writer takes it), the small ones after it wait
+// their turn there; with nothing ahead, they go from the call.
+TEST_CASE("rings: a SEND from the application's call never overtakes what the engine holds") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options o;
+    o.receive_buffer_size = 1 << 20;
+    o.receive_buffers = 16;
+    lpair p;
+    co_await make_lpair(p, o);
+    const auto fast0 = detail::local_ring_sends();
+    // (Named: GCC 12 miscompiles a braced list in a co_await's arguments.)
+    const std::vector<std::size_t> small{8, 16, 24}, behind{1 << 20, 8, 8, 100, 8};
+    co_await posted_in_one_go(p, small);  // nothing ahead: from the call
+    CHECK(detail::local_ring_sends() - fast0 == 3);
+    const auto fast1 = detail::local_ring_sends();
+    co_await posted_in_one_go(p, behind);  // the first is the writer's: the rest behind it
+    CHECK(detail::local_ring_sends() == fast1);
+    co_await close_lpair(p);
+  }());
+}
+
+// The writer streams a send larger than the ring, waiting for room for its
+// rest (outq is empty meanwhile): a small send posted while it waits goes
+// behind it, not into the middle of its payload. The send is posted after
+// a varying number of loop turns, so that some land in that wait.
+TEST_CASE("rings: a SEND posted while the writer waits for room goes behind what it writes") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options o;
+    o.receive_buffer_size = 4 << 20;
+    o.receive_buffers = 4;
+    lpair p;
+    co_await make_lpair(p, o);
+    const std::vector<std::size_t> sizes{3 * lp::ring_capacity + 100, 8};
+    for (int turns = 0; turns < 40; ++turns) {
+      CAPTURE(turns);
+      const auto big = indexed(0, sizes[0]), small = indexed(1, sizes[1]);
+      auto later = [](connection& c, std::span<const std::byte> m, int turns) -> task<result<void>> {
+        for (int i = 0; i < turns; ++i) co_await yield();
+        co_return co_await c.send(m);
+      };
+      auto [a, b, got] = co_await when_all(p.client.send(big), later(p.client, small, turns),
+                                           recv_in_order(p.server, sizes));
+      CHECK(a.has_value());
+      CHECK(b.has_value());
+      CHECK(got);
+    }
+    CHECK(p.client.is_open());
+    co_await close_lpair(p);
+  }());
+}
+
+// Sends posted in one go until the ring is full: the ones that fit go from
+// the call, the rest fall back to the engine (which waits for room), in
+// order, every byte intact.
+TEST_CASE("rings: SENDs that find the ring full fall back to the engine, in order") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    connection_options o;
+    o.receive_buffer_size = 32 << 10;
+    o.receive_buffers = 64;
+    lpair p;
+    co_await make_lpair(p, o);
+    std::vector<std::size_t> sizes;
+    for (int i = 0; i < 48; ++i) sizes.push_back(i % 5 == 4 ? 8 : (32 << 10) - 3 * i);  // 1.2 MiB in all
+    const auto fast = detail::local_ring_sends();
+    co_await posted_in_one_go(p, sizes);
+    const auto went = detail::local_ring_sends() - fast;
+    MESSAGE(went << " of " << sizes.size() << " from the call");
+    CHECK(went > 0);
+    CHECK(went < sizes.size() / 2);  // the ring (256 KiB) holds about 8 of them
+    const std::vector<std::size_t> two{8, 8};
+    co_await posted_in_one_go(p, two);  // the engine's queue is empty again: from the call
+    CHECK(detail::local_ring_sends() - fast == went + 2);
+    co_await close_lpair(p);
+  }());
+}
+
+// A SEND that went from the call and waits for its ACK, cancelled: as the
+// engine's, the connection fails and the send ends canceled (or done, if
+// the ACK came first), never before its buffer is safe.
+TEST_CASE("rings: a SEND from the call, cancelled in flight, fails the connection as the engine's does") {
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    lpair p;
+    co_await make_lpair(p);
+    const auto fast = detail::local_ring_sends();
+    auto msg = std::make_unique<std::vector<std::byte>>(pattern(8, 3));
+    async_scope scope;
+    std::optional<result<void>> out;
+    auto sender = [](connection& c, std::span<const std::byte> m, std::optional<result<void>>& out) -> task<void> {
+      out.emplace(co_await c.send(m));
+    };
+    scope.spawn(sender(p.client, *msg, out));
+    CHECK(detail::local_ring_sends() - fast == 1);
+    scope.request_stop();
+    co_await scope.join();
+    REQUIRE(out.has_value());
+    CHECK((out->has_value() || out->error() == std::errc::operation_canceled));
+    if (!out->has_value()) {
+      msg.reset();
+      (void)co_await sleep_for(20ms);
+      CHECK_FALSE(p.client.is_open());
+      auto r = co_await p.client.send(pattern(8, 4));
+      REQUIRE_FALSE(r.has_value());
+      CHECK(r.error() == errc::disconnected);
+    }
+    co_await close_lpair(p);
+  }());
 }
