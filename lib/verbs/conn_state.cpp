@@ -172,7 +172,7 @@ rdma_conn_param conn_state::conn_param(wire_hello_payload& data, const cm_evt* r
   hello.buffer_size = htonl(static_cast<std::uint32_t>(std::min<std::size_t>(opts.receive_buffer_size, UINT32_MAX)));
   const std::size_t n = std::min(opts.payload.size(), max_connect_payload);  // checked by connect() / listen()
   data.payload_len = static_cast<std::uint8_t>(n);
-  std::memcpy(data.payload, opts.payload.data(), n);
+  if (n) std::memcpy(data.payload, opts.payload.data(), n);  // (an empty span's data() may be null)
   rdma_conn_param p{};
   p.private_data = &data;
   p.private_data_len = static_cast<std::uint8_t>(hello_payload_offset + 1 + n);
