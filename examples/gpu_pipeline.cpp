@@ -6,9 +6,11 @@
 // local provider: both ends are on this host) take the local provider.
 // SHUTTLE_GPUS=A,B puts the producer on GPU A and the consumer on GPU B
 // (issue 33: two GPUs of one host; the receiver then runs a loop of its own
-// on a second thread, on which B is the current GPU).
+// on a second thread, on which B is the current GPU; --two-loops does that
+// on one GPU too).
 //
-//   shuttle-gpu-pipeline [MiB=256] [chunk KiB=1024] [rounds=16] [--transport tcp|local|auto]   (--help: more)
+//   shuttle-gpu-pipeline [MiB=256] [chunk KiB=1024] [rounds=16] [--transport tcp|local|auto] [--two-loops]
+//   (--help: more)
 #include <shuttle/cuda/cuda.hpp>
 #include <shuttle/cuda/kernels.hpp>
 #include <shuttle/cuda/staged.hpp>
@@ -35,7 +37,11 @@ int main(int argc, char** argv) {
   transport_kind kind = transport_kind::tcp;
   CLI::App app{"A staged GPU pipeline on loopback (tcp provider unless --transport), checksums verified per chunk.",
                "shuttle-gpu-pipeline"};
-  cli::setup(app, "usage: shuttle-gpu-pipeline [MiB] [CHUNK_KiB] [ROUNDS] [--transport tcp|local|auto]\n");
+  cli::setup(app,
+             "usage: shuttle-gpu-pipeline [MiB] [CHUNK_KiB] [ROUNDS] [--transport tcp|local|auto] [--two-loops]\n");
+  bool two_loops = false;
+  app.add_flag("--two-loops", two_loops,
+               "the receiver on a thread and loop of its own, as with SHUTTLE_GPUS=A,B and A != B (which imply it)");
   app.add_option_function<std::string>(
          "--transport", [&](const std::string& v) { kind = *parse_transport_kind(v); },
          "tcp (default), local or auto (automatic: the local provider, both ends being on this host)")
@@ -157,7 +163,7 @@ int main(int argc, char** argv) {
 
   cuda::check(cudaSetDevice(gpus.self), "cudaSetDevice");
   double secs = 0;
-  if (gpus.self == gpus.peer) {
+  if (gpus.self == gpus.peer && !two_loops) {
     const std::uint16_t port = rx_listen();
     tx_prepare();
     ctx.run(when_all(rx_open(), tx_open(port)));
@@ -219,7 +225,8 @@ int main(int argc, char** argv) {
               "  %zu MiB in %zu chunks of %zu KiB, path %s (%s), %zu notifications, %.1f ms, %.2f GB/s\n"
               "  checksums: %zu/%zu chunks match%s\n",
               gpus.self, cuda::describe_device(gpus.self).c_str(), gpus.peer,
-              gpus.self == gpus.peer ? "" : " (its own thread and loop)", to_string(tx.c.kind()), len >> 20, chunks,
+              gpus.self == gpus.peer && !two_loops ? "" : " (its own thread and loop)", to_string(tx.c.kind()),
+              len >> 20, chunks,
               chunk >> 10, cuda::to_string(tx.snd.path()),
               tx.reg->register_memory(tx.src.data(), len, 0)->reason.c_str(),
               rx.notified, secs * 1e3, double(len) / secs / 1e9, chunks - bad, chunks, bad ? "  MISMATCH" : "");

@@ -84,7 +84,8 @@ if [ "$two" = yes ]; then
 fi
 # The staged pipeline over the local provider, checksums per chunk: producer (sender) on A,
 # consumer (receiver) on B, each end with its own loop and thread when A != B.
-run "gpu-pipeline $A,$B" 45 env SHUTTLE_GPUS=$A,$B "$D/shuttle-gpu-pipeline" 512 2048 16 --transport local
+run "gpu-pipeline $A,$B" 45 env SHUTTLE_GPUS=$A,$B "$D/shuttle-gpu-pipeline" 512 2048 16 --transport local \
+  --two-loops
 # Its benchmark (both ends on one loop, so on one GPU: A), against max(kernels, transfer).
 run "gpu_pipeline_bench $A" 75 env SHUTTLE_GPUS=$A "$D/gpu_pipeline_bench" 256 2048 3 8 --transport local
 # The KV-cache hand-off: prefill's cache on A, decode's on B (GPU to GPU), then decode's in host memory.
