@@ -17,7 +17,11 @@
 // block. Host memory; with --gpu (local transport), prefill's cache is in
 // GPU memory (cudaMalloc), each block a GPU copy into decode's cache, which
 // is then a shared block (shared_memory) the provider maps; exit 77 without
-// a GPU.
+// a GPU. SHUTTLE_GPUS=A puts prefill's cache on GPU A; SHUTTLE_GPUS=A,B
+// puts decode's cache in GPU memory too, on GPU B (issue 33: two GPUs of
+// one host, or A = B: GPU to GPU on one): each layer is then notified by a
+// message after its block list (a write_with_imm cannot land in GPU memory
+// on the local provider) and checked from a copy to host memory.
 //
 // Exit status: 0 if every block arrived intact, 1 on a mismatch or a
 // transport error, 2 for bad usage.
@@ -29,6 +33,7 @@
 #endif
 
 #include "cli.hpp"
+#include "gpus_env.hpp"
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -59,6 +64,8 @@ struct options {
   std::string addr = "127.0.0.1";
   std::int64_t corrupt = -1;  // a logical block of the last layer damaged before it is sent (the test's check)
   bool gpu = false;           // prefill's cache in GPU memory (local transport)
+  int prefill_gpu = 0;        // SHUTTLE_GPUS=A[,B]
+  int decode_gpu = -1;        // >= 0: decode's cache in GPU memory there
 };
 
 // The content of byte-word w of logical block b of layer l: what prefill
@@ -119,12 +126,32 @@ domain open_domain(const options& o) {
 // ---------------------------------------------------------------- decode
 
 int decode(const options& o, int port_pipe) {
+#ifdef SHUTTLE_HAVE_CUDA
+  // (Forked before the parent touched CUDA: this process may use it.)
+  if (o.decode_gpu >= 0 && cudaSetDevice(o.decode_gpu) != cudaSuccess) {
+    std::fprintf(stderr, "%s: decode: cannot use GPU %d\n", kProg, o.decode_gpu);
+    return 1;
+  }
+#endif
   io_context ctx;
   return ctx.run([&]() -> task<int> {
     domain d = open_domain(o);
-    paged_cache c = make_cache(o, 2, o.gpu);
-    auto mr = d.register_memory(c.mem, access::local_write | access::remote_write);
-    if (!mr) co_return 1;
+    const bool on_gpu = o.decode_gpu >= 0;
+    paged_cache c = make_cache(o, 2, o.gpu && !on_gpu);
+    std::span<std::byte> cache = c.mem;  // what the peer writes into
+#ifdef SHUTTLE_HAVE_CUDA
+    cuda::device_buffer dev;
+    if (on_gpu) {
+      dev = cuda::device_buffer(c.mem.size());
+      cuda::check(cudaMemset(dev.data(), 0, dev.size()), "clear the cache");
+      cache = {dev.data(), dev.size()};
+    }
+#endif
+    auto mr = d.register_memory(cache, access::local_write | access::remote_write);
+    if (!mr) {
+      std::fprintf(stderr, "%s: decode: register: %s\n", kProg, mr.error().message().c_str());
+      co_return 1;
+    }
     auto l = d.listen(endpoint::parse(o.addr + ":0").value());
     if (!l) {
       std::fprintf(stderr, "%s: decode: listen: %s\n", kProg, l.error().message().c_str());
@@ -148,12 +175,22 @@ int decode(const options& o, int port_pipe) {
     std::string first_bad;
     for (std::uint64_t k = 0; k < o.layers; ++k) {
       auto m = co_await with_timeout(conn->recv(), 60s);
-      if (!m || !m->imm() || *m->imm() >= o.layers) {
+      std::uint64_t layer = o.layers;
+      if (m && m->imm())
+        layer = *m->imm();
+      else if (m && on_gpu && m->size() == sizeof layer)  // the layer's message (GPU cache)
+        std::memcpy(&layer, m->data().data(), sizeof layer);
+      if (!m || layer >= o.layers) {
         std::fprintf(stderr, "%s: decode: waiting for layer %llu: %s\n", kProg, static_cast<unsigned long long>(k),
                      m ? "not a layer notification" : m.error().message().c_str());
         co_return 1;
       }
-      const std::uint64_t layer = *m->imm();
+#ifdef SHUTTLE_HAVE_CUDA
+      if (on_gpu) {  // the layer's pages, to host memory to be checked
+        const std::uint64_t at = c.offset(layer, 0), n = c.pages * c.page;
+        cuda::check(cudaMemcpy(c.mem.data() + at, dev.data() + at, n, cudaMemcpyDeviceToHost), "layer to host");
+      }
+#endif
       for (std::uint64_t b = 0; b < o.blocks; ++b) {
         const std::byte* p = c.mem.data() + c.offset(layer, c.table[layer * o.blocks + b]);
         for (std::uint64_t w = 0; w < o.block_size / 8; ++w) {
@@ -232,11 +269,22 @@ int prefill(const options& o, std::uint16_t port) {
       for (std::uint64_t b = 0; b < o.blocks; ++b)
         blocks[b] = {c.offset(l, c.table[l * o.blocks + b]), (l * remote_pages + remote_table[l * o.blocks + b]) * o.block_size,
                      o.block_size};
-      auto r = co_await conn->write_blocks(from, remote, blocks, {.notify = static_cast<std::uint32_t>(l)});
+      const bool by_message = o.decode_gpu >= 0;  // decode's cache in GPU memory: no write_with_imm into it
+      block_options bo;
+      if (!by_message) bo.notify = static_cast<std::uint32_t>(l);
+      auto r = co_await conn->write_blocks(from, remote, blocks, bo);
       if (!r) {
         std::fprintf(stderr, "%s: prefill: layer %llu, block %zu: %s\n", kProg, static_cast<unsigned long long>(l),
                      r.failed_block(), r.error().message().c_str());
         co_return 1;
+      }
+      if (by_message) {  // after the list's writes (RC order)
+        const std::uint64_t layer = l;
+        if (auto sent = co_await conn->send(std::as_bytes(std::span(&layer, 1))); !sent) {
+          std::fprintf(stderr, "%s: prefill: layer %llu's message: %s\n", kProg, static_cast<unsigned long long>(l),
+                       sent.error().message().c_str());
+          co_return 1;
+        }
       }
     }
     auto verdict = co_await with_timeout(conn->recv(), 60s);
@@ -244,13 +292,39 @@ int prefill(const options& o, std::uint16_t port) {
     if (!verdict) co_return 1;
     std::string v(reinterpret_cast<const char*>(verdict->data().data()), verdict->size());
     const double bytes = double(o.layers * o.blocks * o.block_size);
+    std::string where;
+    if (o.gpu) where = " (cache on GPU " + std::to_string(o.prefill_gpu) + ")";
+    if (o.decode_gpu >= 0) where += " to decode's cache on GPU " + std::to_string(o.decode_gpu);
     std::printf("prefill: %s%s, %llu layers x %llu blocks, %.1f MB in %.3f s (%.3f GB/s); decode says %s\n",
-                to_string(d.kind()), o.gpu ? " (cache in GPU memory)" : "", static_cast<unsigned long long>(o.layers),
+                to_string(d.kind()), where.c_str(), static_cast<unsigned long long>(o.layers),
                 static_cast<unsigned long long>(o.blocks), bytes / 1e6, s, bytes / s / 1e9, v.c_str());
     (void)co_await conn->close();
     co_return v == "OK" ? 0 : 1;
   }());
 }
+
+#ifdef SHUTTLE_HAVE_CUDA
+// CUDA's device count, from a child process (CUDA in a parent breaks its
+// forked children's use of it); 0 where there is none or the child failed.
+int device_count_in_child() {
+  int fds[2];
+  if (::pipe(fds) != 0) return 0;
+  std::fflush(stdout);
+  pid_t p = ::fork();
+  if (p == 0) {
+    ::close(fds[0]);
+    const int n = cuda::device_count();
+    [[maybe_unused]] auto w = ::write(fds[1], &n, sizeof n);
+    std::_Exit(0);
+  }
+  ::close(fds[1]);
+  int n = 0;
+  if (p < 0 || ::read(fds[0], &n, sizeof n) != sizeof n) n = 0;
+  ::close(fds[0]);
+  if (p > 0) ::waitpid(p, nullptr, 0);
+  return n;
+}
+#endif
 
 }  // namespace
 
@@ -285,7 +359,9 @@ int main(int argc, char** argv) {
   app.add_option("--corrupt", o.corrupt, "damage this block of the last layer before sending it (decode must say BAD)")
       ->type_name("K")
       ->transform(cli::count(0, 65535));
-  app.add_flag("--gpu", o.gpu, "prefill's cache in GPU memory (with --transport local; exit 77 without a GPU)");
+  app.add_flag("--gpu", o.gpu,
+               "prefill's cache in GPU memory (with --transport local; exit 77 without a GPU); SHUTTLE_GPUS=A[,B]: "
+               "prefill's on GPU A, decode's cache in GPU memory on GPU B");
   cli::parse(app, argc, argv);
   if (o.gpu && !local) cli::fail(app, "--gpu: with --transport local only");
 #ifndef SHUTTLE_HAVE_CUDA
@@ -299,6 +375,25 @@ int main(int argc, char** argv) {
   if (o.layers * 2 * o.blocks * o.block_size > (std::uint64_t(1) << 32))
     cli::fail(app, "the cache (--layers x 2 x --blocks x --block-size) is over 4 GiB");
   o.kind = local ? transport_kind::local : cli::kind_of(transport);
+#ifdef SHUTTLE_HAVE_CUDA
+  if (o.gpu) {
+    // Decode's cache on a GPU: the device count is asked in a child, so that
+    // this process (which forks decode below) has not touched CUDA yet.
+    const char* env = std::getenv("SHUTTLE_GPUS");
+    if (env && *env) {
+      const int count = device_count_in_child();
+      if (count == 0) {
+        std::fprintf(stderr, "%s: --gpu: no CUDA device: skipped\n", kProg);
+        return 77;
+      }
+      std::string why;
+      const auto g = shuttle_gpus::parse(env, count, why);
+      if (!why.empty()) cli::fail(app, why);
+      o.prefill_gpu = g.self;
+      if (g.peer_named) o.decode_gpu = g.peer;
+    }
+  }
+#endif
 
   int fds[2];
   if (::pipe(fds) != 0) return 1;
@@ -313,11 +408,17 @@ int main(int argc, char** argv) {
   }
   ::close(fds[1]);
 #ifdef SHUTTLE_HAVE_CUDA
-  if (o.gpu && cuda::device_count() == 0) {  // (after the fork: decode never touches CUDA)
+  if (o.gpu && o.decode_gpu < 0 && cuda::device_count() == 0) {  // (after the fork: decode never touches CUDA)
     std::fprintf(stderr, "%s: --gpu: no CUDA device: skipped\n", kProg);
     ::kill(child, SIGTERM);
     ::waitpid(child, nullptr, 0);
     return 77;
+  }
+  if (o.gpu && cudaSetDevice(o.prefill_gpu) != cudaSuccess) {
+    std::fprintf(stderr, "%s: cannot use GPU %d\n", kProg, o.prefill_gpu);
+    ::kill(child, SIGTERM);
+    ::waitpid(child, nullptr, 0);
+    return 1;
   }
 #endif
   std::uint16_t port = 0;

@@ -16,11 +16,17 @@
 // chunk's data (producer, D2H) or for credits (receiver slots).
 //
 //   gpu_pipeline_bench [MiB=512] [chunk KiB=2048] [sender buffers=2] [receiver slots=4] [--transport tcp|local]
+//
+// SHUTTLE_GPUS=A runs it on GPU A. Both ends share one loop here, so they
+// share a GPU; the pipeline across two GPUs is shuttle-gpu-pipeline's
+// (SHUTTLE_GPUS=A,B).
 #include <shuttle/cuda/cuda.hpp>
 #include <shuttle/cuda/kernels.hpp>
 #include <shuttle/cuda/staged.hpp>
 #include <shuttle/shuttle.hpp>
 #include <shuttle/transport.hpp>
+
+#include "../../examples/gpus_env.hpp"
 
 #include <sys/resource.h>
 
@@ -87,11 +93,20 @@ int main(int argc, char** argv) {
     argc -= 2;
     break;
   }
+  std::string why;
+  const auto gpus = shuttle_gpus::from_env(cuda::device_count(), why);
+  if (why.empty() && gpus.self != gpus.peer)
+    why = "SHUTTLE_GPUS: both ends share one loop here, so one GPU (A); across two: shuttle-gpu-pipeline";
+  if (!why.empty()) {
+    std::fprintf(stderr, "gpu_pipeline_bench: %s\n", why.c_str());
+    return 2;
+  }
+  cuda::check(cudaSetDevice(gpus.self), "cudaSetDevice");
   const std::size_t mib = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 512;
   const std::size_t chunk = (argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 2048) << 10;
   const std::size_t len = mib << 20, chunks = (len + chunk - 1) / chunk;
   std::printf("gpu_pipeline_bench: %s; %zu MiB in %zu chunks of %zu KiB, %s provider (staged)\n",
-              cuda::describe_device(0).c_str(), mib, chunks, chunk >> 10,
+              cuda::describe_device(gpus.self).c_str(), mib, chunks, chunk >> 10,
               kind == transport_kind::local ? "local" : "tcp");
   io_context ctx;
   setup p;

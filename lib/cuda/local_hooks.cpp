@@ -13,6 +13,9 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <new>
+#include <utility>
+#include <vector>
 
 namespace shuttle::cuda {
 namespace {
@@ -60,6 +63,9 @@ result<lp::device_hooks::imported> import_handle(const lp::gpu_handle& h) noexce
     cudaIpcMemHandle_t ch{};
     std::memcpy(&ch, h.data(), sizeof ch);
     void* p = nullptr;
+    // Mapped for this thread's current GPU; an allocation on another GPU
+    // (the peer's process on GPU B, this one on A) needs peer access
+    // between them, enabled here: it fails where A cannot access B.
     cudaError_t e = cudaIpcOpenMemHandle(&p, ch, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
@@ -118,8 +124,15 @@ result<lp::device_hooks::imported> import_fd(int fd, std::uint64_t size) noexcep
                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != CUDA_SUCCESS)
     return make_error_code(shuttle::errc::remote_access_error);
   CUdeviceptr va = 0;
+  // Access for this process's GPU (the thread's current one, where the
+  // copies run), which need not be the GPU the allocation lives on: across
+  // two GPUs, cuMemSetAccess fails unless this GPU can access the other.
   int dev = 0;
-  (void)cudaGetDevice(&dev);
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)d.mem_release(h);
+    return make_error_code(shuttle::errc::not_supported);
+  }
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = dev;
@@ -171,16 +184,83 @@ void release_import(std::byte* base) noexcept {
   }
 }
 
-void* open_queue() noexcept {
+// A connection's queue: a stream on the GPU that was current when its first
+// copy came (the loop thread's device; SHUTTLE_GPUS in the tests). Its
+// events must be that GPU's too (cudaEventRecord fails on another's stream).
+struct queue {
   cudaStream_t s = nullptr;
-  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+  int device = 0;
+};
+
+void* open_queue() noexcept {
+  auto* q = new (std::nothrow) queue;
+  if (!q) return nullptr;
+  if (cudaGetDevice(&q->device) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&q->s, cudaStreamNonBlocking) != cudaSuccess) {
     (void)cudaGetLastError();
+    delete q;
     return nullptr;
   }
-  return s;
+  return q;
 }
 void close_queue(void* q) noexcept {
-  if (q) (void)cudaStreamDestroy(static_cast<cudaStream_t>(q));
+  if (!q) return;
+  auto* x = static_cast<queue*>(q);
+  (void)cudaStreamDestroy(x->s);
+  delete x;
+}
+
+// Makes `dev` the calling thread's device for a scope (only where it is not).
+class device_scope {
+ public:
+  explicit device_scope(int dev) noexcept {
+    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != dev) {
+      if (cudaSetDevice(dev) == cudaSuccess)
+        switched_ = true;
+      else
+        (void)cudaGetLastError();
+    }
+  }
+  ~device_scope() {
+    if (switched_) (void)cudaSetDevice(prev_);
+  }
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+};
+
+// The copies' events, by device (an event is recorded on its own device's
+// streams only; the loop's pool, detail::pooled_event, does not say whose).
+thread_local std::vector<std::pair<int, std::vector<cudaEvent_t>>> tl_copy_events;
+
+std::vector<cudaEvent_t>& events_of(int dev) {
+  for (auto& [d, v] : tl_copy_events)
+    if (d == dev) return v;
+  return tl_copy_events.emplace_back(dev, std::vector<cudaEvent_t>{}).second;
+}
+
+// Called with `dev` current. Throws std::system_error, std::bad_alloc.
+cudaEvent_t copy_event(int dev) {
+  auto& v = events_of(dev);
+  if (!v.empty()) {
+    cudaEvent_t e = v.back();
+    v.pop_back();
+    return e;
+  }
+  cudaEvent_t e = nullptr;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  return e;
+}
+void return_copy_event(cudaEvent_t e, int dev) noexcept {
+  try {
+    auto& v = events_of(dev);
+    if (v.size() < 256) return v.push_back(e);
+  } catch (const std::bad_alloc&) {
+  }
+  (void)cudaEventDestroy(e);
 }
 
 // An event awaited without the awaiter's stop token: the copy goes on
@@ -194,31 +274,41 @@ class uncancelled_wait : public event_awaiter {
   }
 };
 
-task<result<void>> await_copy(cudaEvent_t ev) {
-  auto r = co_await uncancelled_wait(ev);
-  detail::return_pooled_event(ev);
+task<result<void>> await_copy(cudaEvent_t ev, int dev) {
+  auto r = co_await uncancelled_wait(ev);  // (an event is queried from any device)
+  return_copy_event(ev, dev);
   co_return r;
 }
 task<result<void>> failed(std::error_code ec) { co_return ec; }
 
+// Between two GPUs (a peer's region on another GPU than this process's), the
+// copy goes over the link: the import enabled peer access where the GPUs
+// have it (cudaIpcMemLazyEnablePeerAccess; a cuMemCreate import is mapped
+// for this process's GPU, which needs it too).
 task<result<void>> copy(void* q, void* dst, const void* src, std::size_t n) {
-  auto s = static_cast<cudaStream_t>(q);
-  cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s);
+  auto* x = static_cast<queue*>(q);
+  // The thread's device may have changed since the queue was opened: the
+  // stream's device is made current for the enqueue and the event.
+  device_scope on(x->device);
+  cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, x->s);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return failed(make_error_code(e));
   }
   cudaEvent_t ev = nullptr;
   try {
-    ev = detail::pooled_event();
-  } catch (const std::system_error& x) {
-    return failed(x.code());
+    ev = copy_event(x->device);
+  } catch (const std::system_error& err) {
+    return failed(err.code());
+  } catch (const std::bad_alloc&) {
+    return failed(std::make_error_code(std::errc::not_enough_memory));
   }
-  if ((e = cudaEventRecord(ev, s)) != cudaSuccess) {
-    detail::return_pooled_event(ev);
+  if ((e = cudaEventRecord(ev, x->s)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return_copy_event(ev, x->device);
     return failed(make_error_code(e));
   }
-  return await_copy(ev);
+  return await_copy(ev, x->device);
 }
 
 const lp::device_hooks local_hooks{.is_device = &is_device,

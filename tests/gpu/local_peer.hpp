@@ -1,7 +1,10 @@
-// Two processes on one GPU over the local provider (issue 30, point 2): the
-// peer process (this program run again with --peer NAME) and the helpers
-// of the side that drives it. Used by tests/gpu/test_local.cpp and
-// bench/gpu/local_gpu_bench.cpp.
+// Two processes over the local provider (issue 30, point 2), on one GPU or
+// on two GPUs of the host (issue 33): the peer process (this program run
+// again with --peer NAME) and the helpers of the side that drives it. Used
+// by tests/gpu/test_local.cpp and bench/gpu/local_gpu_bench.cpp.
+//
+// Which GPUs: SHUTTLE_GPUS=A[,B] puts the driving process on GPU A and the
+// peer on GPU B (B defaults to A; unset: both on GPU 0, as before).
 //
 // The peer listens on the abstract Unix socket @NAME, holds a GPU region
 // (cudaMalloc), a shared host block and a GPU region from cuMemCreate
@@ -19,6 +22,8 @@
 //   'Q'                close and exit 0
 #pragma once
 
+#include "../../examples/gpus_env.hpp"
+
 #include <shuttle/cuda/cuda.hpp>
 #include <shuttle/local.hpp>
 #include <shuttle/shuttle.hpp>
@@ -33,6 +38,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -50,6 +56,12 @@ inline std::vector<std::byte> pattern(std::size_t n, unsigned seed, std::size_t 
   for (std::size_t i = 0; i < n; ++i) v[i] = pattern_byte(from + i, seed);
   return v;
 }
+
+// The GPUs of the two processes (SHUTTLE_GPUS=A[,B]).
+using shuttle_gpus::gpu_pair;
+inline gpu_pair gpus_from_env(int count, std::string& why) { return shuttle_gpus::from_env(count, why); }
+// Makes `dev` this thread's device (before any other CUDA work here).
+inline void use_gpu(int dev) { cuda::check(cudaSetDevice(dev), "cudaSetDevice"); }
 
 inline domain_options local_options() {
   domain_options o;
@@ -87,10 +99,12 @@ struct vmm_buffer {
       return;
     }
     (void)cudaFree(nullptr);  // the primary context, current
+    int dev = 0;
+    (void)cudaGetDevice(&dev);
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = 0;
+    prop.location.id = dev;  // this process's GPU (SHUTTLE_GPUS)
     prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     size_t g = 0;
     if (gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || g == 0) {
@@ -145,8 +159,12 @@ inline std::string check_range(const std::vector<std::byte>& all, const command&
   return "ok";
 }
 
-// The peer: runs until 'Q' (exit 0), 'K' (killed) or a failure (exit 1).
-inline int run_peer(const std::string& name, std::size_t gpu_bytes, std::size_t host_bytes) {
+// The peer, on GPU `gpu`: runs until 'Q' (exit 0), 'K' (killed) or a failure (exit 1).
+inline int run_peer(const std::string& name, std::size_t gpu_bytes, std::size_t host_bytes, int gpu = 0) {
+  if (cudaSetDevice(gpu) != cudaSuccess) {
+    std::fprintf(stderr, "peer: cudaSetDevice(%d) failed\n", gpu);
+    return 1;
+  }
   io_context ctx;
   return ctx.run([](std::string name, std::size_t gpu_bytes, std::size_t host_bytes) -> task<int> {
     auto d = domain::open(local_options());
@@ -237,13 +255,13 @@ struct peer_process {
   connection c;
   peer_regions r;
 
-  // Starts `self --peer name gpu_bytes host_bytes` (exec: a fresh CUDA context).
-  bool spawn(const char* self, const std::string& n, std::size_t gpu_bytes, std::size_t host_bytes) {
+  // Starts `self --peer name gpu_bytes host_bytes gpu` (exec: a fresh CUDA context on GPU `gpu`).
+  bool spawn(const char* self, const std::string& n, std::size_t gpu_bytes, std::size_t host_bytes, int gpu = 0) {
     name = n;
-    std::string g = std::to_string(gpu_bytes), h = std::to_string(host_bytes);
+    std::string g = std::to_string(gpu_bytes), h = std::to_string(host_bytes), dev = std::to_string(gpu);
     pid = ::fork();
     if (pid == 0) {
-      ::execl(self, self, "--peer", n.c_str(), g.c_str(), h.c_str(), static_cast<char*>(nullptr));
+      ::execl(self, self, "--peer", n.c_str(), g.c_str(), h.c_str(), dev.c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
     }
     return pid > 0;
@@ -292,4 +310,12 @@ struct peer_process {
   }
 };
 
+}  // namespace local_gpu
+
+namespace local_gpu {
+// `main`'s peer mode: `--peer NAME GPU_BYTES HOST_BYTES [GPU]`; -1 when not it.
+inline int peer_main(int argc, char** argv) {
+  if ((argc != 5 && argc != 6) || std::string(argv[1]) != "--peer") return -1;
+  return run_peer(argv[2], std::stoull(argv[3]), std::stoull(argv[4]), argc == 6 ? std::atoi(argv[5]) : 0);
+}
 }  // namespace local_gpu

@@ -1,5 +1,6 @@
 // GPU memory on the local provider, two processes on one GPU (issue 30,
-// point 2): this program drives a peer process (itself, --peer) that holds
+// point 2) or on two (issue 33: SHUTTLE_GPUS=A,B, this process on GPU A, the
+// peer on B): this program drives a peer process (itself, --peer) that holds
 // a GPU region and a host block. Every byte is checked, on the peer for
 // writes (with the bytes around the range) and here for reads. Exits 77
 // without a GPU. The same logic without a GPU: tests/transport/local_device.cpp.
@@ -17,6 +18,7 @@ using namespace local_gpu;
 namespace {
 
 int failures = 0;
+gpu_pair gpus;  // SHUTTLE_GPUS
 #define EXPECT(cond, ...)                                                  \
   do {                                                                     \
     if (!(cond)) {                                                         \
@@ -41,7 +43,7 @@ std::vector<std::byte> from_device(const void* p, std::size_t n) {
 task<void> data_cases(const char* self) {
   auto d = domain::open(local_options()).value();
   peer_process peer;
-  EXPECT(peer.spawn(self, "shuttle-gpu-local-" + std::to_string(::getpid()), gpu_bytes, host_bytes), "fork");
+  EXPECT(peer.spawn(self, "shuttle-gpu-local-" + std::to_string(::getpid()), gpu_bytes, host_bytes, gpus.peer), "fork");
   if (!co_await peer.connect(d)) {
     EXPECT(false, "could not connect to the peer");
     co_return;
@@ -210,7 +212,8 @@ task<void> data_cases(const char* self) {
 task<void> killed_peer_case(const char* self) {
   auto d = domain::open(local_options()).value();
   peer_process peer;
-  EXPECT(peer.spawn(self, "shuttle-gpu-local-k-" + std::to_string(::getpid()), gpu_bytes, host_bytes), "fork");
+  EXPECT(peer.spawn(self, "shuttle-gpu-local-k-" + std::to_string(::getpid()), gpu_bytes, host_bytes, gpus.peer),
+         "fork");
   if (!co_await peer.connect(d)) {
     EXPECT(false, "could not connect to the peer");
     co_return;
@@ -257,13 +260,26 @@ task<void> killed_peer_case(const char* self) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 5 && std::string(argv[1]) == "--peer")
-    return run_peer(argv[2], std::stoull(argv[3]), std::stoull(argv[4]));
+  if (int rc = peer_main(argc, argv); rc >= 0) return rc;
   if (cuda::device_count() == 0) {
     std::puts("no CUDA device: skipped");
     return 77;
   }
-  std::printf("GPU 0: %s\n", cuda::describe_device(0).c_str());
+  std::string why;
+  gpus = gpus_from_env(cuda::device_count(), why);
+  if (!why.empty()) {
+    std::fprintf(stderr, "test_gpu_local: %s\n", why.c_str());
+    return 2;
+  }
+  use_gpu(gpus.self);
+  std::printf("this process: GPU %d: %s\n", gpus.self, cuda::describe_device(gpus.self).c_str());
+  std::printf("the peer:     GPU %d: %s\n", gpus.peer, cuda::describe_device(gpus.peer).c_str());
+  if (gpus.self != gpus.peer) {
+    int ab = 0, ba = 0;
+    (void)cudaDeviceCanAccessPeer(&ab, gpus.self, gpus.peer);
+    (void)cudaDeviceCanAccessPeer(&ba, gpus.peer, gpus.self);
+    std::printf("cudaDeviceCanAccessPeer %d->%d: %d, %d->%d: %d\n", gpus.self, gpus.peer, ab, gpus.peer, gpus.self, ba);
+  }
   ::signal(SIGPIPE, SIG_IGN);
   io_context ctx;
   ctx.run([](const char* self) -> task<void> {
