@@ -23,8 +23,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <atomic>
 #include <future>
-#include <latch>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -176,21 +176,35 @@ int main(int argc, char** argv) {
       (void)co_await rx.c.close();
     }());
   } else {
+    // Each end's loop runs from its connection's opening to the end of
+    // both closes: a loop that stops while its peer still waits for an
+    // acknowledgement or a credit from it would hold the peer for ever.
+    // So the two threads meet by flags, their loops turning meanwhile.
     std::promise<std::uint16_t> port;
     auto port_f = port.get_future();
-    std::latch opened(2), closing(2);
+    std::atomic<bool> rx_opened{false}, tx_opened{false}, rx_done{false}, tx_done{false}, rx_closed{false},
+        tx_closed{false};
+    auto until = [](std::atomic<bool>& flag) -> task<void> {
+      while (!flag.load(std::memory_order_acquire)) (void)co_await sleep_for(std::chrono::microseconds(50));
+    };
     std::chrono::steady_clock::time_point t0, rx_end;
     std::thread receiver([&] {
       cuda::check(cudaSetDevice(gpus.peer), "cudaSetDevice");
       io_context rctx;
       port.set_value(rx_listen());
-      rctx.run(rx_open());
-      opened.arrive_and_wait();
-      rctx.run(rx_run());
-      rx_end = std::chrono::steady_clock::now();
-      rx_finish();
-      closing.arrive_and_wait();
-      rctx.run([&]() -> task<void> { (void)co_await rx.c.close(); }());
+      rctx.run([&]() -> task<void> {
+        co_await rx_open();
+        rx_opened.store(true, std::memory_order_release);
+        co_await until(tx_opened);
+        co_await rx_run();
+        rx_end = std::chrono::steady_clock::now();
+        rx_finish();
+        rx_done.store(true, std::memory_order_release);
+        co_await until(tx_done);
+        (void)co_await rx.c.close();
+        rx_closed.store(true, std::memory_order_release);
+        co_await until(tx_closed);
+      }());
       // This GPU's objects and this loop's connection go here, on their thread.
       (void)cudaFree(rx.sums);
       rx.sums = nullptr;
@@ -202,12 +216,18 @@ int main(int argc, char** argv) {
       rx.d.reset();
     });
     tx_prepare();
-    ctx.run(tx_open(port_f.get()));
-    opened.arrive_and_wait();
-    t0 = std::chrono::steady_clock::now();
-    ctx.run(tx_run());
-    closing.arrive_and_wait();
-    ctx.run([&]() -> task<void> { (void)co_await tx.c.close(); }());
+    ctx.run([&]() -> task<void> {
+      co_await tx_open(port_f.get());
+      tx_opened.store(true, std::memory_order_release);
+      co_await until(rx_opened);
+      t0 = std::chrono::steady_clock::now();
+      co_await tx_run();
+      tx_done.store(true, std::memory_order_release);
+      co_await until(rx_done);
+      (void)co_await tx.c.close();
+      tx_closed.store(true, std::memory_order_release);
+      co_await until(rx_closed);
+    }());
     receiver.join();
     secs = std::chrono::duration<double>(rx_end - t0).count();
   }
