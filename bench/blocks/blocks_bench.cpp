@@ -27,6 +27,10 @@
 // Usage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read]
 //                     [--rails R [--one-loop]] [--transport tcp|verbs|local]
 //                     [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared]
+//                     [--ascending]
+//
+// --ascending: block i goes to remote slot i (no shuffle; still 2B apart,
+// so nothing merges): the list's own cost without the random page order.
 //
 // --shared (local): the target's memory comes from shared_memory::allocate,
 // so the initiator's accesses are a memcpy on its mapping (without it: a
@@ -75,6 +79,7 @@ struct config {
   bool no_write_list = false;  // tcp/local: the target does not announce WRITE_LIST (a peer from before it)
   int only = 0;                // 1: blocks alone, 2: the contiguous transfer alone
   bool shared = false;         // local: the target's memory from shared_memory::allocate
+  bool ascending = false;      // remote slots in order, not shuffled
   transport_kind kind = transport_kind::tcp;
   std::string addr = "127.0.0.1";
 };
@@ -83,7 +88,7 @@ struct config {
   std::fprintf(stderr,
                "blocks_bench: %s\nusage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] "
                "[--rails R [--one-loop]] [--transport tcp|verbs|local] [--addr IP] [--no-write-list]\n"
-               "       [--only blocks|contiguous] [--shared]\n",
+               "       [--only blocks|contiguous] [--shared] [--ascending]\n",
                why);
   std::exit(2);
 }
@@ -109,6 +114,7 @@ config parse(int argc, char** argv) {
     else if (a == "--read") c.read = true;
     else if (a == "--no-write-list") c.no_write_list = true;
     else if (a == "--shared") c.shared = true;
+    else if (a == "--ascending") c.ascending = true;
     else if (a == "--rails") c.rails = number(next());
     else if (a == "--one-loop") c.one_loop = true;
     else if (a == "--addr") c.addr = next();
@@ -124,7 +130,7 @@ config parse(int argc, char** argv) {
       c.kind = *k;
     } else if (a == "--help") {
       std::printf("blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] [--rails R [--one-loop]] "
-                  "[--transport K] [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared]\n");
+                  "[--transport K] [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared] [--ascending]\n");
       std::exit(0);
     } else usage("unknown argument");
   }
@@ -309,7 +315,7 @@ int initiator(const config& c, std::uint16_t port) {
     auto mr = d.register_memory(mem, access::all).value();
     std::vector<std::size_t> slot(n);
     std::iota(slot.begin(), slot.end(), 0);
-    std::shuffle(slot.begin(), slot.end(), std::mt19937(1));
+    if (!c.ascending) std::shuffle(slot.begin(), slot.end(), std::mt19937(1));
     std::vector<block> blocks(n);
     for (std::size_t i = 0; i < n; ++i) blocks[i] = {2 * i * b, 2 * slot[i] * b, b};
     auto whole = remote.slice(0, n * b).value();
