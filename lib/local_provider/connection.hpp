@@ -75,9 +75,8 @@ class local_connection final : public connection_impl {
   bool peer_hung_up() noexcept;
 
   // GPU memory, which the engine must not touch (device_hooks.hpp).
-  static bool on_device(std::span<const std::byte> m) noexcept {
-    const device_hooks* h = installed_device_hooks();
-    return h && !m.empty() && h->is_device(m.data(), m.size());
+  bool on_device(std::span<const std::byte> m) const noexcept {
+    return is_device_memory(installed_device_hooks(), *x_.dom, m.data(), m.size());
   }
 
   // How a write or read of `local` at `r` is done (device.cpp).

@@ -108,10 +108,9 @@ task<result<std::uint64_t>> local_connection::at_turn(lane_op op, lane_place& pl
         if (!x.asked.contains(op.remote.rkey) && x.queries == 0) {
           // Not asked (too many regions remembered, or the channel full), and
           // no answer coming: as if refused.
-          const device_hooks* h = installed_device_hooks();
-          rt = h && h->is_device(op.local, op.len) ? route{route::how::fail, nullptr,
-                                                           make_error_code(errc::unregistered_device_memory)}
-                                                     : route{};
+          rt = is_device_memory(installed_device_hooks(), *x.dom, op.local, op.len)
+                   ? route{route::how::fail, nullptr, make_error_code(errc::unregistered_device_memory)}
+                   : route{};
         }
       }
       if (rt.how == route::how::fail) co_return rt.ec;
@@ -222,7 +221,7 @@ task<result<void>> local_connection::batch(std::span<const operation> ops, std::
   const auto survey = [&] {
     by_one = unknown = false;
     for (const operation& o : ops) {
-      if (!o.local.empty() && h->is_device(o.local.data(), o.local.size())) by_one = true;
+      if (is_device_memory(h, *x.dom, o.local.data(), o.local.size())) by_one = true;
       if (o.op == operation::type::send) continue;
       auto it = x.regions.find(rkey_of(o));
       if (it != x.regions.end())

@@ -37,8 +37,29 @@ local_region::~local_region() {
   }
   auto it = dom->cache.find({reinterpret_cast<std::uintptr_t>(addr), length, access});
   if (it != dom->cache.end() && it->second.expired()) dom->cache.erase(it);
+  if (host_range) {
+    const auto start = reinterpret_cast<std::uintptr_t>(addr);
+    auto [lo, hi] = dom->host_ranges.equal_range(start);
+    for (; lo != hi; ++lo)
+      if (lo->second == start + length) {
+        dom->host_ranges.erase(lo);
+        break;
+      }
+  }
   if (gpu_fd >= 0) ::close(gpu_fd);
   // `engine` goes next: the socket's accesses are refused too.
+}
+
+bool is_device_memory(const device_hooks* h, const domain_state& d, const void* p, std::size_t len) noexcept {
+  if (!h || len == 0) return false;
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  // Only the registration that starts last at or before p is looked at: a
+  // miss there asks the driver, which is right whatever else covers p.
+  if (auto it = d.host_ranges.upper_bound(a); it != d.host_ranges.begin()) {
+    --it;
+    if (a < it->second && len <= it->second - a) return false;
+  }
+  return h->is_device(p, len);
 }
 
 namespace {
@@ -102,6 +123,9 @@ class local_domain final : public domain_impl {
       }
     }
     st_->cache[key] = r;
+    const auto start = reinterpret_cast<std::uintptr_t>(mem.data());
+    st_->host_ranges.emplace(start, start + mem.size());
+    r->host_range = true;
     return memory_region(std::move(r));
   }
 

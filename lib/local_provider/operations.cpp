@@ -74,7 +74,7 @@ std::byte* local_connection::direct(const remote_buffer& r, std::size_t len, uns
 local_connection::route local_connection::plan(const remote_buffer& r, const std::byte* local, std::size_t len,
                                                unsigned right) noexcept {
   const device_hooks* h = installed_device_hooks();
-  const bool local_dev = h && len != 0 && h->is_device(local, len);
+  const bool local_dev = is_device_memory(h, *x_.dom, local, len);
   const auto fail = [](std::error_code ec) { return route{route::how::fail, nullptr, ec}; };
   const route engine = local_dev ? fail(make_error_code(errc::unregistered_device_memory)) : route{};
   const tp::conn_state& s = *s_;
@@ -279,7 +279,7 @@ task<block_result> local_connection::transfer_blocks(block_list l) {
   // (A named task around co_await, not a temporary: see batch().)
   enum class via { here, generic, engine } how = via::here;
   auto it = x_.regions.find(l.remote.rkey);
-  if (x_.ordered_busy() || (h && l.size != 0 && h->is_device(l.base, l.size))) {
+  if (x_.ordered_busy() || is_device_memory(h, *x_.dom, l.base, l.size)) {
     how = via::generic;
   } else if (it == x_.regions.end()) {
     if (h && !x_.service_over) {

@@ -33,7 +33,7 @@ namespace {
 // Fake device memory: PROT_NONE pages, opened only by fake_copy and peek/poke.
 struct fake_gpu {
   static inline std::map<std::uintptr_t, std::size_t> blocks;  // base -> size
-  static inline int imports = 0, queues_open = 0, copies = 0;
+  static inline int imports = 0, queues_open = 0, copies = 0, is_device_calls = 0;
   static inline bool refuse_import = false, refuse_export = false;
   static inline bool fd_mode = false;  // as cuMemCreate memory: no IPC handle, a POSIX fd
   static inline int fd_imports = 0;
@@ -72,7 +72,10 @@ struct fake_gpu {
     return v;
   }
 
-  static bool is_device(const void* p, std::size_t) noexcept { return find(p) != nullptr; }
+  static bool is_device(const void* p, std::size_t) noexcept {
+    ++is_device_calls;
+    return find(p) != nullptr;
+  }
   static result<std::uint64_t> export_handle(const void* p, std::size_t, lp::gpu_handle& out) noexcept {
     auto b = find(p);
     if (!b || refuse_export || fd_mode) return make_error_code(errc::not_supported);
@@ -311,6 +314,56 @@ TEST_CASE("GPU memory (fake hooks): bad rkey, out of bounds, deregistered, atomi
   CHECK(fake_gpu::imports == 0);
   fake_gpu::free(peer_gpu);
   fake_gpu::free(my_gpu);
+}
+
+TEST_CASE("GPU memory (fake hooks): host memory registered with the domain is not asked about per operation") {
+  // The real hooks ask the driver (cuPointerGetAttribute, ~0.6 us); a range
+  // inside a live host registration is host memory without asking.
+  hooks_guard g;
+  io_context ctx;
+  ctx.run([]() -> task<void> {
+    lpair p;
+    co_await make_lpair(p);
+    auto block = shared_memory::allocate(1 << 16).value();
+    auto mr_peer = p.sd->register_memory(block.span(), access::all).value();
+    std::vector<std::byte> mine(8192, std::byte{7});
+    auto asked = [n = fake_gpu::is_device_calls]() mutable {
+      const int d = fake_gpu::is_device_calls - n;
+      n = fake_gpu::is_device_calls;
+      return d;
+    };
+    // Not registered: asked.
+    REQUIRE((co_await p.client.write(std::span(mine).first(8), mr_peer.remote(0, 8))).has_value());
+    CHECK(asked() > 0);
+    {
+      auto mr = p.cd->register_memory(std::span(mine).subspan(1024, 4096), access::all).value();
+      (void)asked();
+      // Inside it, at its edges too: not asked, and the bytes arrive.
+      for (std::size_t off : {std::size_t(1024), std::size_t(2000), std::size_t(5120 - 8)}) {
+        mine[off] = std::byte(off & 0xff);
+        REQUIRE((co_await p.client.write(std::span(mine).subspan(off, 8), mr_peer.remote(64, 8))).has_value());
+        CHECK(block.data()[64] == std::byte(off & 0xff));
+        REQUIRE((co_await p.client.read(std::span(mine).subspan(off, 8), mr_peer.remote(0, 8))).has_value());
+      }
+      CHECK(asked() == 0);
+      // Running past its end, or starting before it: asked.
+      REQUIRE((co_await p.client.write(std::span(mine).subspan(5120 - 8, 16), mr_peer.remote(0, 16))).has_value());
+      CHECK(asked() > 0);
+      REQUIRE((co_await p.client.write(std::span(mine).subspan(1000, 100), mr_peer.remote(0, 100))).has_value());
+      CHECK(asked() > 0);
+    }
+    // Deregistered: asked again.
+    REQUIRE((co_await p.client.write(std::span(mine).subspan(2000, 8), mr_peer.remote(0, 8))).has_value());
+    CHECK(asked() > 0);
+    // Device memory at an address next to a registration is still found.
+    std::byte* gpu = fake_gpu::alloc(4096);
+    auto mr_again = p.cd->register_memory(std::span(mine), access::all).value();
+    (void)asked();
+    CHECK((co_await p.client.write({gpu, 8}, mr_peer.remote(0, 8))).has_value());
+    CHECK(asked() > 0);
+    fake_gpu::free(gpu);
+    co_await close_lpair(p);
+  }());
 }
 
 TEST_CASE("GPU memory (fake hooks): memory that cannot be exported is refused at registration") {
