@@ -20,12 +20,14 @@
 #include "cli.hpp"
 #include "gpus_env.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <atomic>
+#include <exception>
 #include <future>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -179,16 +181,20 @@ int main(int argc, char** argv) {
     // Each end's loop runs from its connection's opening to the end of
     // both closes: a loop that stops while its peer still waits for an
     // acknowledgement or a credit from it would hold the peer for ever.
-    // So the two threads meet by flags, their loops turning meanwhile.
+    // So the two threads meet by flags, their loops turning meanwhile; an
+    // end that throws raises `failed`, and the other stops waiting for it.
     std::promise<std::uint16_t> port;
     auto port_f = port.get_future();
     std::atomic<bool> rx_opened{false}, tx_opened{false}, rx_done{false}, tx_done{false}, rx_closed{false},
-        tx_closed{false};
-    auto until = [](std::atomic<bool>& flag) -> task<void> {
-      while (!flag.load(std::memory_order_acquire)) (void)co_await sleep_for(std::chrono::microseconds(50));
+        tx_closed{false}, failed{false};
+    auto until = [&failed](std::atomic<bool>& flag) -> task<void> {
+      while (!flag.load(std::memory_order_acquire)) {
+        if (failed.load(std::memory_order_acquire)) throw std::runtime_error("the other end failed");
+        (void)co_await sleep_for(std::chrono::microseconds(50));
+      }
     };
     std::chrono::steady_clock::time_point t0, rx_end;
-    std::thread receiver([&] {
+    auto receive = [&] {
       cuda::check(cudaSetDevice(gpus.peer), "cudaSetDevice");
       io_context rctx;
       port.set_value(rx_listen());
@@ -214,21 +220,44 @@ int main(int argc, char** argv) {
       rx.s.reset();
       rx.dst = cuda::device_buffer{};
       rx.d.reset();
+    };
+    std::exception_ptr rx_error;
+    std::thread receiver([&] {
+      try {
+        receive();
+      } catch (...) {
+        rx_error = std::current_exception();
+        failed.store(true, std::memory_order_release);
+        try {
+          port.set_exception(rx_error);  // (if the port was not given yet)
+        } catch (const std::future_error&) {
+        }
+      }
     });
-    tx_prepare();
-    ctx.run([&]() -> task<void> {
-      co_await tx_open(port_f.get());
-      tx_opened.store(true, std::memory_order_release);
-      co_await until(rx_opened);
-      t0 = std::chrono::steady_clock::now();
-      co_await tx_run();
-      tx_done.store(true, std::memory_order_release);
-      co_await until(rx_done);
-      (void)co_await tx.c.close();
-      tx_closed.store(true, std::memory_order_release);
-      co_await until(rx_closed);
-    }());
+    auto send = [&] {
+      tx_prepare();
+      ctx.run([&]() -> task<void> {
+        co_await tx_open(port_f.get());
+        tx_opened.store(true, std::memory_order_release);
+        co_await until(rx_opened);
+        t0 = std::chrono::steady_clock::now();
+        co_await tx_run();
+        tx_done.store(true, std::memory_order_release);
+        co_await until(rx_done);
+        (void)co_await tx.c.close();
+        tx_closed.store(true, std::memory_order_release);
+        co_await until(rx_closed);
+      }());
+    };
+    try {
+      send();
+    } catch (...) {
+      failed.store(true, std::memory_order_release);
+      receiver.join();
+      throw;
+    }
     receiver.join();
+    if (rx_error) std::rethrow_exception(rx_error);
     secs = std::chrono::duration<double>(rx_end - t0).count();
   }
   if (!tx.r || !rx.r) {
