@@ -178,13 +178,15 @@ std::size_t local_connection::direct_run(std::span<const operation> ops) noexcep
 
 namespace {
 
-// A list this large is copied as one memcpy of its size would be: glibc's
-// memcpy stores a copy larger than its non-temporal threshold (some MiB)
-// past the caches, and a memcpy per block cannot know the list is large.
-// Measured 2026-12-07 (docs/measurements.md): 1,000 shuffled 64 KiB blocks
-// at 0.77 of one 64 MiB memcpy with a memcpy each, 1.08 of it here with
-// streaming stores; 4 KiB blocks (4 MiB, cache-resident) are best with memcpy.
-constexpr std::uint64_t stream_list_bytes = 8 << 20, stream_run_bytes = 16 << 10;
+// A list of some MiB is copied with streaming stores, past the caches: a
+// memcpy per block cannot know the list is large, and such a list's copies,
+// a memcpy each, fall behind one memcpy of its bytes; streamed, they keep up
+// (a list larger than the L2 loses little by not leaving its bytes there).
+// Measured (docs/measurements.md, 2026-12-07): 1,000 shuffled
+// 64 KiB blocks at 0.77 of one 64 MiB memcpy with a memcpy each, 1.08 with
+// streaming stores; 1,000 x 4 KiB at 0.87 (read) and 0.95 (write) of one
+// 4 MiB memcpy, 0.98 and 1.19 streamed (H100 machine).
+constexpr std::uint64_t stream_list_bytes = 2 << 20, stream_run_bytes = 4 << 10;
 
 #if defined(__SSE2__)
 void stream_copy(std::byte* dst, const std::byte* src, std::size_t n) noexcept {
