@@ -80,6 +80,7 @@
 #endif
 
 #include <dlfcn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -252,7 +253,14 @@ struct sample {
   // window until the list's completion, the doorbells rung.
   std::uint64_t bells_in = 0, bells_after = 0, other_in = 0;
   double bell_us = 0;
+  std::uint64_t faults = 0;  // the thread's page faults (minor and major) inside the post window
 };
+
+std::uint64_t page_faults() {
+  rusage u{};
+  ::getrusage(RUSAGE_THREAD, &u);
+  return static_cast<std::uint64_t>(u.ru_minflt + u.ru_majflt);
+}
 
 struct summary {
   double gbps, post_avg, post_p99, xfer_avg, xfer_p99;
@@ -287,12 +295,14 @@ template <class Start>
 task<sample> timed(Start start, bool& ok, bool profile = false) {
   async_scope scope;
   const auto d0 = doorbells();
+  const auto f0 = page_faults();
   if (profile) BLOCKS_TOGGLE_COLLECT();
   auto t0 = bench_clock::now();
   scope.spawn(start(ok));
   auto t1 = bench_clock::now();
   if (profile) BLOCKS_TOGGLE_COLLECT();
   const auto d1 = doorbells();
+  const auto f1 = page_faults();
   co_await scope.join();
   auto t2 = bench_clock::now();
   const auto d2 = doorbells();
@@ -302,13 +312,14 @@ task<sample> timed(Start start, bool& ok, bool profile = false) {
   s.bells_after = d2.post_send_calls - d1.post_send_calls;
   s.other_in = d1.other_calls - d0.other_calls;
   s.bell_us = double(d1.post_send_ns - d0.post_send_ns) * 1e-3;
+  s.faults = f1 - f0;
   co_return s;
 }
 
 // The list row's doorbell line (with the shim preloaded): see the header.
 void print_doorbells(const std::vector<sample>& v, std::size_t n) {
   double bell = 0, path = 0, path_min = 1e300;
-  std::uint64_t in = 0, after = 0, other = 0, partial = 0;
+  std::uint64_t in = 0, after = 0, other = 0, partial = 0, faults = 0;
   for (auto& x : v) {
     bell += x.bell_us;
     const double p = x.post_us - x.bell_us;
@@ -318,11 +329,12 @@ void print_doorbells(const std::vector<sample>& v, std::size_t n) {
     after += x.bells_after;
     other += x.other_in;
     partial += x.bells_after > 0 ? 1 : 0;
+    faults += x.faults;
   }
   const double k = double(v.size());
   std::printf("doorbells  per list: %.1f in the post window (%.1f us avg), %.1f after the first wait; "
-              "other uverbs commands in the window: %.1f\n",
-              double(in) / k, bell / k, double(after) / k, double(other) / k);
+              "other uverbs commands in the window: %.1f; page faults in the window: %.1f\n",
+              double(in) / k, bell / k, double(after) / k, double(other) / k, double(faults) / k);
   if (in == 0) {
     std::printf("post path  not measured: the shim saw no doorbell (not the verbs provider on rxe?)\n");
   } else if (partial > 0) {
