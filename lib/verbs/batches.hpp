@@ -3,6 +3,8 @@
 
 #include "operations.hpp"
 
+#include <algorithm>
+
 namespace shuttle::detail::verbs_impl {
 
 struct conn_state::batch_wait {
@@ -85,8 +87,12 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
   ordered_turn turn(this);
   auto order = co_await post_order.lock();
   if (!order) co_return order.error();
-  // Chunks of at most send_queue_depth WRs (at most one per WR).
-  std::vector<batch_chunk> chunks(wrs.size());
+  // Chunks of at most send_queue_depth WRs (at most one per WR): room
+  // for the most there can be, constructed one per chunk posted (a list
+  // that fits the queue is one), never moved once posted.
+  std::vector<batch_chunk> chunks;
+  chunks.reserve(wrs.size());
+  const bool any_credit = std::find(credit.begin(), credit.end(), char{1}) != credit.end();
   std::vector<batch_chunk::ctx> wr_ids(wrs.size());  // the unsignaled WRs'
   batch_wait b;
   b.c = this;
@@ -98,29 +104,39 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
     // only an empty chunk waits, so a batch never holds units while it
     // waits for more (no deadlock between batches, none with a peer that
     // holds some of its receive buffers).
+    // Slots in one take (take_send_slots), then a credit for each WR that
+    // needs one, the chunk ending before the first WR that finds none.
     std::size_t end = first;
     std::uint32_t credits_taken = 0;
-    while (end < wrs.size() && end - first < opts.send_queue_depth) {
-      if (!take_send_slot()) {
-        if (end > first) break;
-        if (auto r = co_await sq.acquire(); !r) {
-          early = r.error();
-          break;
+    const std::size_t want = std::min<std::size_t>(wrs.size() - first, opts.send_queue_depth);
+    std::size_t slots = take_send_slots(want);
+    if (slots == 0) {
+      if (auto r = co_await sq.acquire(); !r) early = r.error();
+      else slots = 1 + take_send_slots(want - 1);  // and whatever came free with it
+    }
+    if (!early) {
+      end = first + slots;
+      for (std::size_t i = first; any_credit && i < first + slots; ++i) {
+        if (!credit[i]) continue;
+        if (!credits.try_acquire()) {
+          if (i > first) {
+            end = i;
+            break;
+          }
+          // The chunk's first WR waits for a credit holding its slot alone.
+          sq.release(slots - 1);
+          slots = 1;
+          end = first + 1;
+          if (auto r = co_await credits.acquire(); !r) {
+            sq.release();
+            early = r.error();
+            end = first;
+            break;
+          }
         }
+        ++credits_taken;
       }
-      if (credit[end] && !credits.try_acquire()) {
-        if (end > first) {
-          sq.release();
-          break;
-        }
-        if (auto r = co_await credits.acquire(); !r) {
-          sq.release();
-          early = r.error();
-          break;
-        }
-      }
-      credits_taken += credit[end] ? 1 : 0;
-      ++end;
+      if (end < first + slots && !early) sq.release(first + slots - end);
     }
     const auto need = static_cast<std::uint32_t>(end - first);
     if (!early && !usable()) early = disconnected();
@@ -129,7 +145,7 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
       credits.release(credits_taken);
       break;
     }
-    batch_chunk& ch = chunks[posted];
+    batch_chunk& ch = chunks.emplace_back();
     ch.b = &b;
     ch.slots = need;
     ch.last.ch = &ch;
