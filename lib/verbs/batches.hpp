@@ -71,6 +71,33 @@ struct conn_state::batch_chunk {
     if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
     ch->b->chunk_done();
   }
+
+  // wrs[first, end) as one chain for `ch`: each WR's sge, its successor,
+  // its wr_id (the unsignaled ones' in `ids`), the last one signaled, the
+  // returned credits (c.to_return) on the chunk's first send. Not in
+  // execute_batch's coroutine: its locals stay in registers, not in the
+  // frame (per WR, on a list's post path).
+  static void link(conn_state& c, ibv_send_wr* wrs, ibv_sge* sges, ctx* ids, std::size_t first, std::size_t end,
+                   batch_chunk& ch) noexcept {
+    bool piggybacked = false;
+    for (std::size_t i = first; i < end; ++i) {
+      ibv_send_wr& wr = wrs[i];
+      wr.sg_list = &sges[i];
+      wr.num_sge = sges[i].length > 0 ? 1 : 0;
+      wr.next = i + 1 < end ? &wrs[i + 1] : nullptr;
+      ids[i].ch = &ch;
+      ids[i].index = i;
+      ids[i].on_wc = &on_early;
+      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &ids[i] : &ch.last));
+      if (i + 1 == end) wr.send_flags |= IBV_SEND_SIGNALED;
+      if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits, on the chunk's first send
+        std::uint32_t n = piggybacked ? 0 : std::min<std::uint32_t>(c.to_return, 0xffff);
+        piggybacked = true;
+        c.to_return -= n;
+        wr.imm_data = htonl(n);
+      }
+    }
+  }
 };
 
 // `wrs[i]` and `sges[i]` describe operation i (opcode, remote side, flags,
@@ -151,24 +178,7 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
     ch.last.ch = &ch;
     ch.last.index = end - 1;
     ch.last.on_wc = &batch_chunk::on_last;
-    bool piggybacked = false;
-    for (std::size_t i = first; i < end; ++i) {
-      ibv_send_wr& wr = wrs[i];
-      wr.sg_list = &sges[i];
-      wr.num_sge = sges[i].length > 0 ? 1 : 0;
-      wr.next = i + 1 < end ? &wrs[i + 1] : nullptr;
-      wr_ids[i].ch = &ch;
-      wr_ids[i].index = i;
-      wr_ids[i].on_wc = &batch_chunk::on_early;
-      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &wr_ids[i] : &ch.last));
-      if (i + 1 == end) wr.send_flags |= IBV_SEND_SIGNALED;
-      if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits, on the chunk's first send
-        std::uint32_t n = piggybacked ? 0 : std::min<std::uint32_t>(to_return, 0xffff);
-        piggybacked = true;
-        to_return -= n;
-        wr.imm_data = htonl(n);
-      }
-    }
+    batch_chunk::link(*this, wrs.data(), sges.data(), wr_ids.data(), first, end, ch);
     ibv_send_wr* bad = nullptr;
     if (int e = ibv_post_send(qp, &wrs[first], &bad)) {
       std::size_t taken = bad ? static_cast<std::size_t>(bad - &wrs[first]) : 0;
