@@ -12,6 +12,28 @@
 // deep enough for the whole list, as issue 31 measures it); "transfer" is
 // the time to its completion.
 //
+// The doorbell (verbs on Soft-RoCE): with doorbell_shim preloaded
+// (LD_PRELOAD=.../libdoorbell_shim.so, see doorbell_shim.cpp), the writes
+// on the uverbs command fd are timed, and the list row is followed by a
+// line with, per list: the doorbells (POST_SEND commands) rung inside the
+// post window and their time, the doorbells rung after the list first
+// waited, and "post path" = post minus the doorbells' time inside the
+// window, also per block. Under rxe the doorbell runs the requester (the
+// wire work) in the kernel, inside ibv_post_send; what is left is the
+// loop thread's own work: the checks, merging, the WRs built, chained and
+// queued by librxe, one look at the CQ. That covers the whole list only
+// if every chain was posted before the list first waited: the verbs
+// provider posts a chain of as many WRs as the send queue has free slots
+// and, when none is free, waits for completions before the next chain, so
+// with a list longer than the queue (--send-queue D < N) the post window
+// holds only the first chains. The bench checks it per list: a doorbell
+// after the first wait (from the list: nothing else posts meanwhile) means
+// that the window was partial; the per-block figure is then not printed.
+// Under valgrind, the list's post windows (and only those) are collected
+// by callgrind (run it with --collect-atstart=no: bench/blocks/insn-post.sh),
+// the user-space instructions of the same window, the kernel's doorbell
+// work excluded by construction.
+//
 // With --rails R, striping instead: one N*B transfer over a
 // connection_group of R rails against the same transfer over a group of one
 // rail, alternated; the ratio is R rails / one. Each rail has a loop thread
@@ -27,10 +49,13 @@
 // Usage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read]
 //                     [--rails R [--one-loop]] [--transport tcp|verbs|local]
 //                     [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared]
-//                     [--ascending]
+//                     [--ascending] [--send-queue D]
 //
 // --ascending: block i goes to remote slot i (no shuffle; still 2B apart,
 // so nothing merges): the list's own cost without the random page order.
+//
+// --send-queue D: the connections' send_queue_depth (default max(N + 1, 128):
+// the whole list fits).
 //
 // --shared (local): the target's memory comes from shared_memory::allocate,
 // so the initiator's accesses are a memcpy on its mapping (without it: a
@@ -48,7 +73,17 @@
 #include <shuttle/transport.hpp>
 
 #include "stats.hpp"  // the tcp engine's tcp_announce_write_list (internal)
+#include "doorbell_shim.h"
 
+#if __has_include(<valgrind/callgrind.h>)
+#include <valgrind/callgrind.h>
+#define BLOCKS_TOGGLE_COLLECT() CALLGRIND_TOGGLE_COLLECT
+#else
+#define BLOCKS_TOGGLE_COLLECT() ((void)0)
+#endif
+
+#include <dlfcn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -74,6 +109,7 @@ namespace {
 
 struct config {
   std::size_t blocks = 1000, block_size = 4096, iters = 30, rails = 1;
+  std::size_t send_queue = 0;  // 0: max(blocks + 1, 128)
   bool read = false;
   bool one_loop = false;  // --rails: every rail on one loop thread per side
   bool no_write_list = false;  // tcp/local: the target does not announce WRITE_LIST (a peer from before it)
@@ -88,7 +124,7 @@ struct config {
   std::fprintf(stderr,
                "blocks_bench: %s\nusage: blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] "
                "[--rails R [--one-loop]] [--transport tcp|verbs|local] [--addr IP] [--no-write-list]\n"
-               "       [--only blocks|contiguous] [--shared] [--ascending]\n",
+               "       [--only blocks|contiguous] [--shared] [--ascending] [--send-queue D]\n",
                why);
   std::exit(2);
 }
@@ -117,6 +153,7 @@ config parse(int argc, char** argv) {
     else if (a == "--ascending") c.ascending = true;
     else if (a == "--rails") c.rails = number(next());
     else if (a == "--one-loop") c.one_loop = true;
+    else if (a == "--send-queue") c.send_queue = number(next());
     else if (a == "--addr") c.addr = next();
     else if (a == "--only") {
       std::string w = next();
@@ -130,12 +167,14 @@ config parse(int argc, char** argv) {
       c.kind = *k;
     } else if (a == "--help") {
       std::printf("blocks_bench [--blocks N] [--block-size B] [--iters K] [--read] [--rails R [--one-loop]] "
-                  "[--transport K] [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared] [--ascending]\n");
+                  "[--transport K] [--addr IP] [--no-write-list] [--only blocks|contiguous] [--shared] [--ascending] "
+                  "[--send-queue D]\n");
       std::exit(0);
     } else usage("unknown argument");
   }
   if (c.blocks * c.block_size > (std::size_t(1) << 30)) usage("N*B over 1 GiB");
   if (c.rails > 64) usage("more than 64 rails");
+  if (c.send_queue > UINT32_MAX) usage("--send-queue too large");
   if (c.one_loop && c.rails < 2) usage("--one-loop needs --rails 2 or more");
   if (c.only && c.rails > 1) usage("--only is for one connection");
   if (c.shared && (c.kind != transport_kind::local || c.rails > 1)) usage("--shared is for one local connection");
@@ -144,7 +183,8 @@ config parse(int argc, char** argv) {
 
 connection_options conn_opts(const config& c) {
   connection_options o;
-  o.send_queue_depth = static_cast<std::uint32_t>(std::max<std::size_t>(c.blocks + 1, 128));
+  o.send_queue_depth =
+      static_cast<std::uint32_t>(c.send_queue ? c.send_queue : std::max<std::size_t>(c.blocks + 1, 128));
   return o;
 }
 
@@ -200,9 +240,33 @@ int target(const config& c, int port_pipe) {
   }());
 }
 
+// The doorbell shim's reader, when it is preloaded (doorbell_shim.h).
+shuttle_doorbell_read_fn doorbell_reader() {
+  static const auto f = reinterpret_cast<shuttle_doorbell_read_fn>(dlsym(RTLD_DEFAULT, "shuttle_doorbell_read"));
+  return f;
+}
+
+shuttle_doorbell_counts doorbells() {
+  shuttle_doorbell_counts d{};
+  if (auto f = doorbell_reader()) f(&d);
+  return d;
+}
+
 struct sample {
   double post_us, transfer_us;
+  // With the doorbell shim: inside the post window, the doorbells rung
+  // (POST_SEND writes), their time, other uverbs command writes; after the
+  // window until the list's completion, the doorbells rung.
+  std::uint64_t bells_in = 0, bells_after = 0, other_in = 0;
+  double bell_us = 0;
+  std::uint64_t faults = 0;  // the thread's page faults (minor and major) inside the post window
 };
+
+std::uint64_t page_faults() {
+  rusage u{};
+  ::getrusage(RUSAGE_THREAD, &u);
+  return static_cast<std::uint64_t>(u.ru_minflt + u.ru_majflt);
+}
 
 struct summary {
   double gbps, post_avg, post_p99, xfer_avg, xfer_p99;
@@ -231,17 +295,63 @@ summary summarize(std::vector<sample> v, std::size_t bytes) {
 }
 
 // One timed batch: `start` makes the awaitable; the scope runs it until it
-// first waits (the post), join() until it is done.
+// first waits (the post), join() until it is done. `profile`: callgrind
+// collects inside the post window (a no-op outside valgrind).
 template <class Start>
-task<sample> timed(Start start, bool& ok) {
+task<sample> timed(Start start, bool& ok, bool profile = false) {
   async_scope scope;
+  const auto d0 = doorbells();
+  const auto f0 = page_faults();
+  if (profile) BLOCKS_TOGGLE_COLLECT();
   auto t0 = bench_clock::now();
   scope.spawn(start(ok));
   auto t1 = bench_clock::now();
+  if (profile) BLOCKS_TOGGLE_COLLECT();
+  const auto d1 = doorbells();
+  const auto f1 = page_faults();
   co_await scope.join();
   auto t2 = bench_clock::now();
-  co_return sample{std::chrono::duration<double, std::micro>(t1 - t0).count(),
-                   std::chrono::duration<double, std::micro>(t2 - t0).count()};
+  const auto d2 = doorbells();
+  sample s{std::chrono::duration<double, std::micro>(t1 - t0).count(),
+           std::chrono::duration<double, std::micro>(t2 - t0).count()};
+  s.bells_in = d1.post_send_calls - d0.post_send_calls;
+  s.bells_after = d2.post_send_calls - d1.post_send_calls;
+  s.other_in = d1.other_calls - d0.other_calls;
+  s.bell_us = double(d1.post_send_ns - d0.post_send_ns) * 1e-3;
+  s.faults = f1 - f0;
+  co_return s;
+}
+
+// The list row's doorbell line (with the shim preloaded): see the header.
+void print_doorbells(const std::vector<sample>& v, std::size_t n) {
+  double bell = 0, path = 0, path_min = 1e300;
+  std::uint64_t in = 0, after = 0, other = 0, partial = 0, faults = 0;
+  for (auto& x : v) {
+    bell += x.bell_us;
+    const double p = x.post_us - x.bell_us;
+    path += p;
+    path_min = std::min(path_min, p);
+    in += x.bells_in;
+    after += x.bells_after;
+    other += x.other_in;
+    partial += x.bells_after > 0 ? 1 : 0;
+    faults += x.faults;
+  }
+  const double k = double(v.size());
+  std::printf("doorbells  per list: %.1f in the post window (%.1f us avg), %.1f after the first wait; "
+              "other uverbs commands in the window: %.1f; page faults in the window: %.1f\n",
+              double(in) / k, bell / k, double(after) / k, double(other) / k, double(faults) / k);
+  if (in == 0) {
+    std::printf("post path  not measured: the shim saw no doorbell (not the verbs provider on rxe?)\n");
+  } else if (partial > 0) {
+    std::printf("post path  not measured over the list: in %llu of %zu lists a chain was posted after the list "
+                "first waited (a list longer than the free send queue); window minus doorbells: %.1f us avg\n",
+                static_cast<unsigned long long>(partial), v.size(), path / k);
+  } else {
+    std::printf("post path  (post minus doorbells, whole list in the window): %.1f us avg, %.1f us min; "
+                "%.1f ns/block avg, %.1f ns/block min\n",
+                path / k, path_min, path / k * 1e3 / double(n), path_min * 1e3 / double(n));
+  }
 }
 
 // One N*B transfer over a group of c.rails connections (the first is
@@ -339,7 +449,7 @@ int initiator(const config& c, std::uint16_t port) {
     for (std::size_t i = 0; i < c.iters + 2 && ok; ++i) {  // 2 warm-up rounds
       // Alternated, so that the host's load drifts over both alike.
       sample sl{1, 1}, so{1, 1};
-      if (c.only != 2) sl = co_await timed(list, ok);
+      if (c.only != 2) sl = co_await timed(list, ok, i >= 2);
       if (c.only != 1) so = co_await timed(one, ok);
       if (i >= 2) {
         lists.push_back(sl);
@@ -362,6 +472,7 @@ int initiator(const config& c, std::uint16_t port) {
     if (c.only != 2)
         std::printf("%-10s %10zu %8zu %10.3f %12.1f %12.1f %14.1f %14.1f %8.1fns\n", "blocks", b, n, sl.gbps, sl.post_avg,
                   sl.post_p99, sl.xfer_avg, sl.xfer_p99, sl.post_avg * 1e3 / double(n));
+    if (c.only != 2 && doorbell_reader()) print_doorbells(lists, n);
     if (c.only != 1)
         std::printf("%-10s %10zu %8d %10.3f %12.1f %12.1f %14.1f %14.1f %10s\n", "contiguous", n * b, 1, so.gbps,
                   so.post_avg, so.post_p99, so.xfer_avg, so.xfer_p99, "");

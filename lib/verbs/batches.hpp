@@ -3,6 +3,8 @@
 
 #include "operations.hpp"
 
+#include <algorithm>
+
 namespace shuttle::detail::verbs_impl {
 
 struct conn_state::batch_wait {
@@ -69,6 +71,33 @@ struct conn_state::batch_chunk {
     if (wc.status != IBV_WC_SUCCESS && wc.status != IBV_WC_WR_FLUSH_ERR) c->fail(verbs::make_wc_error(wc.status));
     ch->b->chunk_done();
   }
+
+  // wrs[first, end) as one chain for `ch`: each WR's sge, its successor,
+  // its wr_id (the unsignaled ones' in `ids`), the last one signaled, the
+  // returned credits (c.to_return) on the chunk's first send. Not in
+  // execute_batch's coroutine: its locals stay in registers, not in the
+  // frame (per WR, on a list's post path).
+  static void link(conn_state& c, ibv_send_wr* wrs, ibv_sge* sges, ctx* ids, std::size_t first, std::size_t end,
+                   batch_chunk& ch) noexcept {
+    bool piggybacked = false;
+    for (std::size_t i = first; i < end; ++i) {
+      ibv_send_wr& wr = wrs[i];
+      wr.sg_list = &sges[i];
+      wr.num_sge = sges[i].length > 0 ? 1 : 0;
+      wr.next = i + 1 < end ? &wrs[i + 1] : nullptr;
+      ids[i].ch = &ch;
+      ids[i].index = i;
+      ids[i].on_wc = &on_early;
+      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &ids[i] : &ch.last));
+      if (i + 1 == end) wr.send_flags |= IBV_SEND_SIGNALED;
+      if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits, on the chunk's first send
+        std::uint32_t n = piggybacked ? 0 : std::min<std::uint32_t>(c.to_return, 0xffff);
+        piggybacked = true;
+        c.to_return -= n;
+        wr.imm_data = htonl(n);
+      }
+    }
+  }
 };
 
 // `wrs[i]` and `sges[i]` describe operation i (opcode, remote side, flags,
@@ -85,8 +114,12 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
   ordered_turn turn(this);
   auto order = co_await post_order.lock();
   if (!order) co_return order.error();
-  // Chunks of at most send_queue_depth WRs (at most one per WR).
-  std::vector<batch_chunk> chunks(wrs.size());
+  // Chunks of at most send_queue_depth WRs (at most one per WR): room
+  // for the most there can be, constructed one per chunk posted (a list
+  // that fits the queue is one), never moved once posted.
+  std::vector<batch_chunk> chunks;
+  chunks.reserve(wrs.size());
+  const bool any_credit = std::find(credit.begin(), credit.end(), char{1}) != credit.end();
   std::vector<batch_chunk::ctx> wr_ids(wrs.size());  // the unsignaled WRs'
   batch_wait b;
   b.c = this;
@@ -98,29 +131,39 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
     // only an empty chunk waits, so a batch never holds units while it
     // waits for more (no deadlock between batches, none with a peer that
     // holds some of its receive buffers).
+    // Slots in one take (take_send_slots), then a credit for each WR that
+    // needs one, the chunk ending before the first WR that finds none.
     std::size_t end = first;
     std::uint32_t credits_taken = 0;
-    while (end < wrs.size() && end - first < opts.send_queue_depth) {
-      if (!take_send_slot()) {
-        if (end > first) break;
-        if (auto r = co_await sq.acquire(); !r) {
-          early = r.error();
-          break;
+    const std::size_t want = std::min<std::size_t>(wrs.size() - first, opts.send_queue_depth);
+    std::size_t slots = take_send_slots(want);
+    if (slots == 0) {
+      if (auto r = co_await sq.acquire(); !r) early = r.error();
+      else slots = 1 + take_send_slots(want - 1);  // and whatever came free with it
+    }
+    if (!early) {
+      end = first + slots;
+      for (std::size_t i = first; any_credit && i < first + slots; ++i) {
+        if (!credit[i]) continue;
+        if (!credits.try_acquire()) {
+          if (i > first) {
+            end = i;
+            break;
+          }
+          // The chunk's first WR waits for a credit holding its slot alone.
+          sq.release(slots - 1);
+          slots = 1;
+          end = first + 1;
+          if (auto r = co_await credits.acquire(); !r) {
+            sq.release();
+            early = r.error();
+            end = first;
+            break;
+          }
         }
+        ++credits_taken;
       }
-      if (credit[end] && !credits.try_acquire()) {
-        if (end > first) {
-          sq.release();
-          break;
-        }
-        if (auto r = co_await credits.acquire(); !r) {
-          sq.release();
-          early = r.error();
-          break;
-        }
-      }
-      credits_taken += credit[end] ? 1 : 0;
-      ++end;
+      if (end < first + slots && !early) sq.release(first + slots - end);
     }
     const auto need = static_cast<std::uint32_t>(end - first);
     if (!early && !usable()) early = disconnected();
@@ -129,30 +172,13 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
       credits.release(credits_taken);
       break;
     }
-    batch_chunk& ch = chunks[posted];
+    batch_chunk& ch = chunks.emplace_back();
     ch.b = &b;
     ch.slots = need;
     ch.last.ch = &ch;
     ch.last.index = end - 1;
     ch.last.on_wc = &batch_chunk::on_last;
-    bool piggybacked = false;
-    for (std::size_t i = first; i < end; ++i) {
-      ibv_send_wr& wr = wrs[i];
-      wr.sg_list = &sges[i];
-      wr.num_sge = sges[i].length > 0 ? 1 : 0;
-      wr.next = i + 1 < end ? &wrs[i + 1] : nullptr;
-      wr_ids[i].ch = &ch;
-      wr_ids[i].index = i;
-      wr_ids[i].on_wc = &batch_chunk::on_early;
-      wr.wr_id = reinterpret_cast<std::uintptr_t>(static_cast<wr_ctx*>(i + 1 < end ? &wr_ids[i] : &ch.last));
-      if (i + 1 == end) wr.send_flags |= IBV_SEND_SIGNALED;
-      if (wr.opcode == IBV_WR_SEND_WITH_IMM) {  // piggybacked credits, on the chunk's first send
-        std::uint32_t n = piggybacked ? 0 : std::min<std::uint32_t>(to_return, 0xffff);
-        piggybacked = true;
-        to_return -= n;
-        wr.imm_data = htonl(n);
-      }
-    }
+    batch_chunk::link(*this, wrs.data(), sges.data(), wr_ids.data(), first, end, ch);
     ibv_send_wr* bad = nullptr;
     if (int e = ibv_post_send(qp, &wrs[first], &bad)) {
       std::size_t taken = bad ? static_cast<std::size_t>(bad - &wrs[first]) : 0;

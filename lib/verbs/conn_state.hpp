@@ -83,6 +83,17 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   [[gnu::always_inline]] bool take_send_slot() noexcept {
     return sq.try_acquire() || (sq_granted < opts.send_queue_depth && grow_send() && sq.try_acquire());
   }
+  // Up to `want` free slots in one take (a batch's chunk), granting more
+  // while some are missing and the CQ has room; none while others wait.
+  std::size_t take_send_slots(std::size_t want) noexcept {
+    std::size_t k = sq.try_acquire_up_to(want);
+    while (k < want && sq_granted < opts.send_queue_depth && grow_send()) {
+      const std::size_t more = sq.try_acquire_up_to(want - k);
+      if (more == 0) break;  // the new slots went to waiters
+      k += more;
+    }
+    return k;
+  }
   semaphore credits{0};
   std::uint32_t srq_grant = 0;  // SRQ: the receives this connection accounts for in the SRQ
   std::uint32_t qp_num = 0;

@@ -141,20 +141,34 @@ class verbs_connection final : public connection_impl {
     std::vector<ibv_sge> sges(ops.size());
     std::vector<char> credit(ops.size(), 0);
     std::vector<std::shared_ptr<verbs_region>> keep;
+    std::size_t bad = 0;
+    if (auto e = build_wrs(s.get(), ops, wrs.data(), sges.data(), credit.data(), keep, bad)) {
+      if (failed) *failed = bad;
+      co_return e;
+    }
+    co_return co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep), failed);
+  }
+  // post_batch_to's loop: each operation's WR, sge and credit, and the
+  // registrations the batch must hold; on an error, the failing index in
+  // `bad`. Not in the coroutine: its locals stay in registers, not in the
+  // frame (per WR, on a list's post path).
+  static std::error_code build_wrs(conn_state* s, std::span<const operation> ops, ibv_send_wr* wrs, ibv_sge* sges,
+                                   char* credit, std::vector<std::shared_ptr<verbs_region>>& keep, std::size_t& bad) {
+    core* dom = s->dom.get();
     for (std::size_t i = 0; i < ops.size(); ++i) {
       bool cr = false;
-      auto r = build_wr(s.get(), ops[i], wrs[i], sges[i], cr);
+      auto r = build_wr(s, ops[i], wrs[i], sges[i], cr);
       if (!r) {
-        if (failed) *failed = i;
-        co_return r.error();
+        bad = i;
+        return r.error();
       }
       credit[i] = cr;
-      if (s->dom->op_owned)
-        keep.push_back(std::move(s->dom->op_owned));  // this operation's own staging slot or registration
+      if (dom->op_owned)
+        keep.push_back(std::move(dom->op_owned));  // this operation's own staging slot or registration
       else if (*r && (keep.empty() || keep.back().get() != *r))
         keep.push_back(core::hold(*r));
     }
-    co_return co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep), failed);
+    return {};
   }
 
   task<result<void>> close() override {
