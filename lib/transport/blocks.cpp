@@ -6,6 +6,7 @@
 // paths of their own (lib/tcp_provider/blocks.cpp, lib/local_provider/
 // operations.cpp) with the same checks, merging, results and stats.
 #include "provider.hpp"
+#include "scratch.hpp"
 
 #include <algorithm>
 #include <vector>
@@ -22,7 +23,7 @@ thread_local block_stats stats;  // a connection belongs to one thread
 // block, its error and index (nothing is posted then). A merged operation
 // stays well under every provider's limit on one transfer (tcp: 2 GiB;
 // verbs: the port's max_msg_sz, 2 GiB on rxe).
-block_result plan_blocks(std::vector<operation>& ops, const block_list& l) {
+block_result plan_blocks(scratch_vector<operation>& ops, const block_list& l) {
   ops.reserve(l.blocks.size());
   const operation::type t = l.write ? operation::type::write : operation::type::read;
   // The end of the last operation, locally and remotely: a block starting
@@ -96,7 +97,7 @@ std::size_t block_of_operation(const block_list& l, std::size_t op) noexcept {
 }
 
 task<block_result> connection_impl::transfer_blocks(block_list l) {
-  std::vector<operation> ops;
+  scratch_vector<operation> ops;
   if (auto bad = plan_blocks(ops, l); !bad) co_return bad;
   // RC: a failed connection fails every later operation; the list's first
   // block is the one that failed.

@@ -102,8 +102,8 @@ struct conn_state::batch_chunk {
 
 // `wrs[i]` and `sges[i]` describe operation i (opcode, remote side, flags,
 // local sge); `credit[i]`: it consumes a receive on the peer.
-inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs, std::vector<ibv_sge> sges,
-                                                    std::vector<char> credit,
+inline task<result<void>> conn_state::execute_batch(scratch_vector<ibv_send_wr> wrs, scratch_vector<ibv_sge> sges,
+                                                    scratch_vector<char> credit,
                                                     std::vector<std::shared_ptr<verbs_region>> keep,
                                                     std::size_t* failed) {
   auto self = shared_from_this();
@@ -120,7 +120,7 @@ inline task<result<void>> conn_state::execute_batch(std::vector<ibv_send_wr> wrs
   std::vector<batch_chunk> chunks;
   chunks.reserve(wrs.size());
   const bool any_credit = std::find(credit.begin(), credit.end(), char{1}) != credit.end();
-  std::vector<batch_chunk::ctx> wr_ids(wrs.size());  // the unsignaled WRs'
+  scratch_vector<batch_chunk::ctx> wr_ids(wrs.size());  // the unsignaled WRs'
   batch_wait b;
   b.c = this;
   b.ctx = dom->loop;

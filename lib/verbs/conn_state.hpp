@@ -4,6 +4,8 @@
 
 #include "core.hpp"
 
+#include "../transport/scratch.hpp"
+
 namespace shuttle::detail::verbs_impl {
 
 // ------------------------------------------------------------------ connection state
@@ -440,8 +442,9 @@ struct conn_state final : std::enable_shared_from_this<conn_state> {
   struct batch_chunk;
   // `failed`, where given: on an error, the index of the WR that failed, or
   // wrs.size() where that is not known (a flush, a failed post).
-  task<result<void>> execute_batch(std::vector<ibv_send_wr> wrs, std::vector<ibv_sge> sges, std::vector<char> credit,
-                                   std::vector<std::shared_ptr<verbs_region>> keep, std::size_t* failed = nullptr);
+  task<result<void>> execute_batch(scratch_vector<ibv_send_wr> wrs, scratch_vector<ibv_sge> sges,
+                                   scratch_vector<char> credit, std::vector<std::shared_ptr<verbs_region>> keep,
+                                   std::size_t* failed = nullptr);
 
   // Local sge for user memory: inline when small (no registration). The
   // registration, if any, is core::local_region's (no reference).

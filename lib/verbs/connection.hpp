@@ -137,9 +137,9 @@ class verbs_connection final : public connection_impl {
     auto s = s_;
     if (failed) *failed = 0;
     if (ops.empty()) co_return result<void>{};
-    std::vector<ibv_send_wr> wrs(ops.size());
-    std::vector<ibv_sge> sges(ops.size());
-    std::vector<char> credit(ops.size(), 0);
+    scratch_vector<ibv_send_wr> wrs(ops.size());
+    scratch_vector<ibv_sge> sges(ops.size());
+    scratch_vector<char> credit(ops.size(), 0);
     std::vector<std::shared_ptr<verbs_region>> keep;
     std::size_t bad = 0;
     if (auto e = build_wrs(s.get(), ops, wrs.data(), sges.data(), credit.data(), keep, bad)) {
