@@ -171,6 +171,34 @@ elif cmd == "chat11":  # chat11 PORT CLIENT: the example's chat_client talks to 
 PY
 # serve BIN ARGS...: starts a server in the background, pid in $pid
 serve() { "$@" >"$out/server.log" 2>&1 & pid=$!; }
+# free_port: a port below the ephemeral range (32768 and up), free to bind
+# now: a fixed port in that range may be any client socket's meanwhile (a
+# run failed so, the server's bind refused), and one below it is taken only
+# by a listener. Random start: runs side by side pick apart.
+free_port() {
+  python3 - <<'PY'
+import random, socket
+start = random.randrange(20000, 32000)
+for p in list(range(start, 32000)) + list(range(20000, start)):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("0.0.0.0", p))
+    except OSError:
+        continue
+    finally:
+        s.close()
+    print(p)
+    break
+else:
+    raise SystemExit("doc_examples: no free port in 20000-31999")
+PY
+}
+# with_port FILE OLD NEW: the example's fixed port OLD replaced (once, checked).
+with_port() {
+  [ "$(grep -c "$2" "$1")" = 1 ] || { echo "doc_examples: '$2' not once in $1" >&2; exit 1; }
+  sed -i "s/$2/$3/" "$1"
+}
 # stopped_by SIG RC NAME: sends SIG to $pid and checks its exit status is RC
 # (what the same program does on a plain io_context).
 stopped_by() {
@@ -198,19 +226,22 @@ if timeout 60 "$bin" >"$out/t5.log" 2>&1 && grep -q "^Timer [12]: 9$" "$out/t5.l
 else echo "timer5: FAILED"; cat "$out/t5.log"; status=1; fi
 
 src=$(move "$ex/cpp20/coroutines/echo_server.cpp" io_context)
+port=$(free_port)
+with_port "$src" 55555 "$port"
 bin=$(build_one "$src")
 "$bin" >"$out/echo.log" 2>&1 &
 pid=$!
-reply=$(python3 - <<'PY'
-import socket, time
+reply=$(python3 - "$port" <<'PY'
+import socket, sys, time
+port = int(sys.argv[1])
 for _ in range(200):
     try:
-        s = socket.create_connection(("127.0.0.1", 55555), timeout=10)
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
         break
     except OSError:
         time.sleep(0.05)
 else:
-    raise SystemExit("no server on port 55555")
+    raise SystemExit(f"no server on port {port}")
 s.sendall(b"hello shuttle")
 got = b""
 while len(got) < 13:
@@ -226,27 +257,31 @@ if wait $pid && [ "$reply" = "hello shuttle" ]; then echo "cpp20 echo_server: ec
 else echo "cpp20 echo_server: FAILED (reply '$reply')"; cat "$out/echo.log"; status=1; fi
 src=$(move "$ex/cpp11/echo/async_tcp_echo_server.cpp" io_context)
 bin=$(build_one "$src")
-serve "$bin" 55601
-reply=$(python3 "$out/client.py" echo 55601 "hello shuttle") || true
+port=$(free_port)
+serve "$bin" "$port"
+reply=$(python3 "$out/client.py" echo "$port" "hello shuttle") || true
 # No signal_set: SIGTERM's default action ends it (status 143), as on io_context
 # (a background job of a script ignores SIGINT).
-[ "$reply" = "hello shuttle" ] || { echo "cpp11 async_tcp_echo_server: FAILED (reply '$reply')"; status=1; }
+[ "$reply" = "hello shuttle" ] || { echo "cpp11 async_tcp_echo_server: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
 stopped_by TERM 143 "cpp11 async_tcp_echo_server" && [ "$reply" = "hello shuttle" ] &&
   echo "cpp11 async_tcp_echo_server: echoed, ended on SIGTERM (default action)"
 
 src=$(move "$ex/cpp20/coroutines/timeout.cpp" ctx)
+port=$(free_port)
+with_port "$src" 54321 "$port"
 bin=$(build_one "$src")
 serve "$bin"
-reply=$(python3 "$out/client.py" echo 54321 "hello shuttle") || true
-[ "$reply" = "hello shuttle" ] || { echo "cpp20 timeout: FAILED (reply '$reply')"; status=1; }
+reply=$(python3 "$out/client.py" echo "$port" "hello shuttle") || true
+[ "$reply" = "hello shuttle" ] || { echo "cpp20 timeout: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
 stopped_by TERM 143 "cpp20 timeout" && [ "$reply" = "hello shuttle" ] &&
   echo "cpp20 timeout: echoed (watchdog armed), ended on SIGTERM (default action)"
 
 src=$(move "$ex/cpp20/coroutines/chat_server.cpp" io_context)
 bin=$(build_one "$src")
-serve "$bin" 55602
-reply=$(python3 "$out/client.py" chat20 55602) || true
-[ "$reply" = delivered ] || { echo "cpp20 chat_server: FAILED (reply '$reply')"; status=1; }
+port=$(free_port)
+serve "$bin" "$port"
+reply=$(python3 "$out/client.py" chat20 "$port") || true
+[ "$reply" = delivered ] || { echo "cpp20 chat_server: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
 stopped_by INT 0 "cpp20 chat_server" && [ "$reply" = delivered ] &&
   echo "cpp20 chat_server: a line reached the other client, ended on SIGINT (its signal_set)"
 
@@ -265,9 +300,10 @@ src="$out/chat_chat_client.cpp"
 } >"$src"
 client=$(build_one "$src")
 inc=""
-serve "$server" 55603
-reply=$(timeout 60 python3 "$out/client.py" chat11 55603 "$client") || true
-[ "$reply" = "delivered both ways, client ended" ] || { echo "cpp11 chat: FAILED (reply '$reply')"; status=1; }
+port=$(free_port)
+serve "$server" "$port"
+reply=$(timeout 60 python3 "$out/client.py" chat11 "$port" "$client") || true
+[ "$reply" = "delivered both ways, client ended" ] || { echo "cpp11 chat: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
 stopped_by TERM 143 "cpp11 chat_server" && [ "$reply" = "delivered both ways, client ended" ] &&
   echo "cpp11 chat: server and client (driven on its thread) both ways, client ended on EOF, server on SIGTERM (default action)"
 
@@ -287,7 +323,7 @@ echo "served by asio on shuttle" >"$out/www/index.html"
 if python3 -c 'import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", 80))' 2>/dev/null; then
   http_port=80
 else
-  http_port=55604
+  http_port=$(free_port)
 fi
 serve "$httpd" 127.0.0.1 "$http_port" "$out/www"
 python3 "$out/client.py" wait "$http_port" || true
