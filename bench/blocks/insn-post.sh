@@ -15,6 +15,8 @@
 #     ... build-rel/bench/blocks/blocks_bench --transport verbs --addr 192.168.77.1 [--read]
 # SHIM: preloaded too, so that each run's log says whether every list was
 # posted inside its window (the doorbell line), printed here.
+# RAW=1: the binary is raw_post (plain verbs, the provider library's floor:
+# see raw_post.cpp), given its --mode; its windows are toggled the same way.
 set -euo pipefail
 bin=${1:?blocks_bench binary}
 shift
@@ -23,12 +25,14 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 pre=()
 [ -n "${SHIM:-}" ] && pre=(env LD_PRELOAD="$SHIM")
+only=(--only blocks)
+[ "${RAW:-0}" = 1 ] && only=()
 for it in "$lo" "$hi"; do
   "${pre[@]}" valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file="$work/cg.$it.%p" "$bin" \
-    --only blocks --blocks "$n" --block-size "${B:-4096}" --iters "$it" "$@" >"$work/log.$it" 2>&1 ||
+    "${only[@]}" --blocks "$n" --block-size "${B:-4096}" --iters "$it" "$@" >"$work/log.$it" 2>&1 ||
     { cat "$work/log.$it"; exit 1; }
   echo "--iters $it:"
-  grep -E "^(provider|blocks |doorbells|post path)" "$work/log.$it" || true
+  grep -E "^(provider|blocks |doorbells|post path|raw )" "$work/log.$it" || true
 done
 # The initiator has the lower pid (it forks the target, which collects nothing).
 here=$(dirname "$0")/..
