@@ -171,6 +171,79 @@ class verbs_connection final : public connection_impl {
     return {};
   }
 
+  // A list whose local span lies inside one of the user's registrations
+  // (a registered KV-cache pool, as a rule): its WRs built straight from
+  // the blocks, one registration lookup for the list and no operation per
+  // block. Other memory: the generic path (transport/blocks.cpp), which
+  // finds, registers or stages each merged operation's memory.
+  task<block_result> transfer_blocks(block_list l) override {
+    conn_state* s = s_.get();
+    verbs_region* r = s->dom->user_region_covering({l.base, l.size}, !l.write);
+    if (!r) co_return co_await connection_impl::transfer_blocks(l);
+    scratch_vector<ibv_send_wr> wrs(l.blocks.size());
+    scratch_vector<ibv_sge> sges(l.blocks.size());
+    scratch_vector<char> credit(l.blocks.size(), 0);
+    if (auto bad = build_block_wrs(s, l, r->lkey, wrs, sges, credit); !bad) co_return bad;
+    if (!is_open()) co_return block_result{make_error_code(errc::disconnected), 0};
+    count_block_list(l.blocks.size(), wrs.size());
+    std::vector<std::shared_ptr<verbs_region>> keep{core::hold(r)};
+    std::size_t failed = wrs.size();
+    const std::size_t ops = wrs.size();
+    auto res = co_await s->execute_batch(std::move(wrs), std::move(sges), std::move(credit), std::move(keep), &failed);
+    if (res) co_return block_result{};
+    co_return block_result{res.error(), failed < ops ? block_of_operation(l, failed) : block_result::unknown};
+  }
+  // The blocks checked and merged as plan_blocks does (transport/blocks.cpp:
+  // the same errors, indices and merging, so block_of_operation maps a
+  // failed WR back to its block), each merged run one WR and sge; the
+  // vectors cut to the runs' count. Not in the coroutine (per block).
+  static block_result build_block_wrs(conn_state* s, const block_list& l, std::uint32_t lkey,
+                                      scratch_vector<ibv_send_wr>& wrs, scratch_vector<ibv_sge>& sges,
+                                      scratch_vector<char>& credit) noexcept {
+    const block* blocks = l.blocks.data();
+    const std::size_t n = l.blocks.size();
+    const std::uint64_t size = l.size, remote_length = l.remote.length, raddr = l.remote.address;
+    const auto base = reinterpret_cast<std::uintptr_t>(l.base);
+    const std::uint32_t rkey = l.remote.rkey;
+    const ibv_wr_opcode opcode = l.write ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
+    std::uint64_t local_end = UINT64_MAX, remote_end = UINT64_MAX;
+    std::size_t k = 0;  // WRs so far
+    std::size_t too_long = SIZE_MAX;  // reported after the list's own checks, as the generic path does
+    for (std::size_t i = 0; i < n; ++i) {
+      const block b = blocks[i];
+      if (b.length == 0) return {std::make_error_code(std::errc::invalid_argument), i};
+      if (b.local_offset > size || b.length > size - b.local_offset || b.remote_offset > remote_length ||
+          b.length > remote_length - b.remote_offset)
+        return {std::make_error_code(std::errc::result_out_of_range), i};
+      if (k > 0 && extends(b, local_end, remote_end, sges[k - 1].length)) {
+        sges[k - 1].length += static_cast<std::uint32_t>(b.length);
+      } else {
+        if (too_long_to_transfer(b.length) && too_long == SIZE_MAX) too_long = i;
+        ibv_sge& sge = sges[k];
+        sge.addr = base + b.local_offset;
+        sge.length = static_cast<std::uint32_t>(b.length);
+        sge.lkey = lkey;
+        ibv_send_wr& wr = wrs[k];
+        wr.opcode = opcode;
+        wr.wr.rdma.remote_addr = raddr + b.remote_offset;
+        wr.wr.rdma.rkey = rkey;
+        ++k;
+      }
+      local_end = b.local_offset + b.length;
+      remote_end = b.remote_offset + b.length;
+    }
+    if (too_long != SIZE_MAX) return {make_error_code(errc::message_too_long), too_long};
+    if (l.notify) {
+      wrs[k - 1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wrs[k - 1].imm_data = htonl(*l.notify);
+      credit[k - 1] = !s->plain;
+    }
+    wrs.resize(k);
+    sges.resize(k);
+    credit.resize(k);
+    return {};
+  }
+
   task<result<void>> close() override {
     auto s = s_;
     using phase = conn_state::phase;

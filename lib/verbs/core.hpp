@@ -388,6 +388,23 @@ struct core final : poller, std::enable_shared_from_this<core> {
     }
     return find_region(mem, need_write, may_stage, sge);
   }
+  // The user's registration covering `mem` (the newest, as local_region
+  // finds it), or null; nothing registered or staged. A block list's local
+  // span: one lookup for all of its blocks.
+  verbs_region* user_region_covering(std::span<const std::byte> mem, bool need_write) {
+    auto a = reinterpret_cast<std::uintptr_t>(mem.data());
+    if (a >= last_base && a <= last_end && mem.size() <= last_end - a && !last_region.expired() &&
+        (!need_write || (last_ptr->access & access::local_write))) {
+      ++st.cache_hits;
+      return last_ptr;
+    }
+    if (auto sp = find_cover(user_regs, a, mem.size(), need_write)) {
+      ++st.cache_hits;
+      remember(sp);
+      return sp.get();
+    }
+    return nullptr;
+  }
   // local_region past the last registration: a receive buffer holding
   // `mem` (a send of received bytes), else a user registration covering
   // `mem`, else a registration the cache holds for it (memory the monitor
