@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstddef>
+#include <new>
+#include <utility>
 #include <vector>
 
 namespace shuttle::detail {
@@ -23,6 +25,13 @@ struct scratch_cache {
   static std::size_t kept_bytes() noexcept;
 };
 
+// Element types whose scratch arrays start uninitialized (`vector(n)`
+// default-initializes them): every user writes each element it hands on.
+// A list's work requests: zeroing 128 bytes per block, some MiB a list,
+// for fields that are then written anyway.
+template <class T>
+inline constexpr bool scratch_uninitialized = false;
+
 template <class T>
 struct scratch_allocator {
   static_assert(alignof(T) <= alignof(std::max_align_t));
@@ -32,6 +41,13 @@ struct scratch_allocator {
   scratch_allocator(const scratch_allocator<U>&) noexcept {}
   T* allocate(std::size_t n) { return static_cast<T*>(scratch_cache::take(n * sizeof(T))); }
   void deallocate(T* p, std::size_t n) noexcept { scratch_cache::give(p, n * sizeof(T)); }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    if constexpr (sizeof...(A) == 0 && scratch_uninitialized<U>)
+      ::new (static_cast<void*>(p)) U;
+    else
+      ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
   friend bool operator==(scratch_allocator, scratch_allocator) noexcept { return true; }
 };
 

@@ -6,6 +6,14 @@
 
 #include "../transport/scratch.hpp"
 
+namespace shuttle::detail {
+// A batch's work requests are written whole before they are posted: by
+// build_wrs (zeroed, then filled) or build_block_wrs (every field a
+// provider reads for a one-sided operation) and batch_chunk::link.
+template <>
+inline constexpr bool scratch_uninitialized<ibv_send_wr> = true;
+}  // namespace shuttle::detail
+
 namespace shuttle::detail::verbs_impl {
 
 // ------------------------------------------------------------------ connection state

@@ -157,6 +157,7 @@ class verbs_connection final : public connection_impl {
     core* dom = s->dom.get();
     for (std::size_t i = 0; i < ops.size(); ++i) {
       bool cr = false;
+      wrs[i] = ibv_send_wr{};  // the array starts uninitialized (scratch_uninitialized)
       auto r = build_wr(s, ops[i], wrs[i], sges[i], cr);
       if (!r) {
         bad = i;
@@ -223,8 +224,13 @@ class verbs_connection final : public connection_impl {
         sge.addr = base + b.local_offset;
         sge.length = static_cast<std::uint32_t>(b.length);
         sge.lkey = lkey;
+        // Not zeroed first (scratch_uninitialized): every field a provider
+        // reads for a one-sided WR is written here or in batch_chunk::link
+        // (wr_id, next, sg_list, num_sge, the signaled flag).
         ibv_send_wr& wr = wrs[k];
         wr.opcode = opcode;
+        wr.send_flags = 0;
+        wr.imm_data = 0;
         wr.wr.rdma.remote_addr = raddr + b.remote_offset;
         wr.wr.rdma.rkey = rkey;
         ++k;
