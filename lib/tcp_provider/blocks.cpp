@@ -34,10 +34,7 @@ block_result build_list(const block_list& l, std::byte* table, iovec* iov, std::
   std::uint64_t local_end = UINT64_MAX, remote_end = UINT64_MAX;
   for (std::size_t i = 0; i < n; ++i) {
     const block b = blocks[i];
-    if (b.length == 0) return {std::make_error_code(std::errc::invalid_argument), i};
-    if (b.local_offset > size || b.length > size - b.local_offset || b.remote_offset > remote_length ||
-        b.length > remote_length - b.remote_offset)
-      return {std::make_error_code(std::errc::result_out_of_range), i};
+    if (auto e = block_error(b, size, remote_length)) return {e, i};
     if (m > 0 && extends(b, local_end, remote_end, iov[m - 1].iov_len)) {
       iov[m - 1].iov_len += b.length;  // <= max_merged_block_bytes
       set_list_entry_length(entry(m - 1), static_cast<std::uint32_t>(iov[m - 1].iov_len));

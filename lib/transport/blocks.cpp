@@ -31,10 +31,7 @@ block_result plan_blocks(scratch_vector<operation>& ops, const block_list& l) {
   std::uint64_t local_end = UINT64_MAX, remote_end = UINT64_MAX;
   for (std::size_t i = 0; i < l.blocks.size(); ++i) {
     const block& b = l.blocks[i];
-    if (b.length == 0) return {std::make_error_code(std::errc::invalid_argument), i};
-    if (b.local_offset > l.size || b.length > l.size - b.local_offset || b.remote_offset > l.remote.length ||
-        b.length > l.remote.length - b.remote_offset)
-      return {std::make_error_code(std::errc::result_out_of_range), i};
+    if (auto e = block_error(b, l.size, l.remote.length)) return {e, i};
     if (!ops.empty() && extends(b, local_end, remote_end, ops.back().local.size())) {
       operation& o = ops.back();
       o.local = {o.local.data(), o.local.size() + b.length};
@@ -62,10 +59,7 @@ block_result check_blocks(const block_list& l, std::uint64_t& longest) noexcept 
   for (std::size_t i = 0; i < n; ++i) {
     const block b = blocks[i];
     most = std::max(most, b.length);
-    if (b.length == 0) return {std::make_error_code(std::errc::invalid_argument), i};
-    if (b.local_offset > size || b.length > size - b.local_offset || b.remote_offset > remote_length ||
-        b.length > remote_length - b.remote_offset)
-      return {std::make_error_code(std::errc::result_out_of_range), i};
+    if (auto e = block_error(b, size, remote_length)) return {e, i};
   }
   longest = most;
   return {};

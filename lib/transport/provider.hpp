@@ -67,6 +67,16 @@ struct block_list {
 block_result check_blocks(const block_list& l, std::uint64_t& longest) noexcept;
 void count_block_list(std::size_t blocks, std::size_t operations) noexcept;
 std::size_t block_of_operation(const block_list& l, std::size_t op) noexcept;
+// The list's own check of one block (transport.hpp): a zero length is
+// invalid_argument, a block outside the local span (`size` bytes) or the
+// remote buffer (`remote_length`) result_out_of_range; else no error.
+inline std::error_code block_error(const block& b, std::uint64_t size, std::uint64_t remote_length) noexcept {
+  if (b.length == 0) return std::make_error_code(std::errc::invalid_argument);
+  if (b.local_offset > size || b.length > size - b.local_offset || b.remote_offset > remote_length ||
+      b.length > remote_length - b.remote_offset)
+    return std::make_error_code(std::errc::result_out_of_range);
+  return {};
+}
 // Whether block `b` extends an operation that ends at (local_end,
 // remote_end) with `length` bytes so far (blocks.cpp's merging rule).
 inline constexpr std::uint64_t max_merged_block_bytes = std::uint64_t(1) << 30;

@@ -212,10 +212,7 @@ class verbs_connection final : public connection_impl {
     std::size_t too_long = SIZE_MAX;  // reported after the list's own checks, as the generic path does
     for (std::size_t i = 0; i < n; ++i) {
       const block b = blocks[i];
-      if (b.length == 0) return {std::make_error_code(std::errc::invalid_argument), i};
-      if (b.local_offset > size || b.length > size - b.local_offset || b.remote_offset > remote_length ||
-          b.length > remote_length - b.remote_offset)
-        return {std::make_error_code(std::errc::result_out_of_range), i};
+      if (auto e = block_error(b, size, remote_length)) return {e, i};
       if (k > 0 && extends(b, local_end, remote_end, sges[k - 1].length)) {
         sges[k - 1].length += static_cast<std::uint32_t>(b.length);
       } else {

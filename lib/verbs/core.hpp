@@ -380,25 +380,26 @@ struct core final : poller, std::enable_shared_from_this<core> {
   // No reference counting on the latency path of an operation on
   // registered memory. Other memory: see find_region.
   result<verbs_region*> local_region(std::span<const std::byte> mem, bool need_write, bool may_stage, ibv_sge& sge) {
-    auto a = reinterpret_cast<std::uintptr_t>(mem.data());
-    if (a >= last_base && a <= last_end && mem.size() <= last_end - a && !last_region.expired() &&
-        (!need_write || (last_ptr->access & access::local_write))) {
+    if (last_covers(mem, need_write)) {
       ++st.cache_hits;
       return last_ptr;
     }
     return find_region(mem, need_write, may_stage, sge);
   }
+  bool last_covers(std::span<const std::byte> mem, bool need_write) const noexcept {
+    auto a = reinterpret_cast<std::uintptr_t>(mem.data());
+    return a >= last_base && a <= last_end && mem.size() <= last_end - a && !last_region.expired() &&
+           (!need_write || (last_ptr->access & access::local_write));
+  }
   // The user's registration covering `mem` (the newest, as local_region
   // finds it), or null; nothing registered or staged. A block list's local
   // span: one lookup for all of its blocks.
   verbs_region* user_region_covering(std::span<const std::byte> mem, bool need_write) {
-    auto a = reinterpret_cast<std::uintptr_t>(mem.data());
-    if (a >= last_base && a <= last_end && mem.size() <= last_end - a && !last_region.expired() &&
-        (!need_write || (last_ptr->access & access::local_write))) {
+    if (last_covers(mem, need_write)) {
       ++st.cache_hits;
       return last_ptr;
     }
-    if (auto sp = find_cover(user_regs, a, mem.size(), need_write)) {
+    if (auto sp = find_cover(user_regs, reinterpret_cast<std::uintptr_t>(mem.data()), mem.size(), need_write)) {
       ++st.cache_hits;
       remember(sp);
       return sp.get();
