@@ -48,7 +48,11 @@ def fail(msg, server=None):
 
 class Server:
     def __init__(self, exe, args, nofile=None, threads=2):
-        self.log = tempfile.TemporaryFile(mode="w+")
+        # The child appends (O_APPEND: every write lands at the end) and
+        # text() reads with pread: the file offset is shared with the child,
+        # and a seek here could make the child's next write land over the
+        # log's beginning.
+        self.log = tempfile.TemporaryFile(mode="ab")
         limits = None
         if nofile is not None:
             def limits():
@@ -75,8 +79,13 @@ class Server:
             fail("the server did not listen", self)
 
     def text(self):
-        self.log.seek(0)
-        return self.log.read()
+        fd, chunks, offset = self.log.fileno(), [], 0
+        while True:
+            chunk = os.pread(fd, 1 << 20, offset)
+            if not chunk:
+                return b"".join(chunks).decode(errors="replace")
+            chunks.append(chunk)
+            offset += len(chunk)
 
     def dump(self):
         print("--- server log:")

@@ -18,6 +18,7 @@ tools_test.py ECHO_SERVER ECHO_CLIENT PERF TRANSFER
 Every wait is bounded; exit status 0 when all of that holds.
 """
 import math
+import os
 import re
 import signal
 import socket
@@ -43,7 +44,11 @@ class Process:
     """A tool in the background, its stdout and stderr in one file."""
 
     def __init__(self, argv, ready):
-        self.log = tempfile.TemporaryFile(mode="w+")
+        # The child appends (O_APPEND: every write lands at the end) and
+        # text() reads with pread: the file offset is shared with the child,
+        # and a seek here could make the child's next write land over the
+        # log's beginning.
+        self.log = tempfile.TemporaryFile(mode="ab")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + TIMEOUT
         self.match = None
@@ -57,8 +62,13 @@ class Process:
             fail("%s was not ready within %d s" % (argv[0], TIMEOUT), self.text())
 
     def text(self):
-        self.log.seek(0)
-        return self.log.read()
+        fd, chunks, offset = self.log.fileno(), [], 0
+        while True:
+            chunk = os.pread(fd, 1 << 20, offset)
+            if not chunk:
+                return b"".join(chunks).decode(errors="replace")
+            chunks.append(chunk)
+            offset += len(chunk)
 
     def stop(self, sig, summary):
         self.proc.send_signal(sig)
