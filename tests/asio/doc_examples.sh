@@ -92,11 +92,24 @@ first() {
   { echo '#include <shuttle/asio/asio.hpp>  // added: first (the include rule)'; cat "$1"; } >"$dst"
   echo "$dst"
 }
-build_one() {  # sources... -> binary (named after the first; -I its original dir via $inc)
+# Every example is prepared first and compiled in parallel (one job per
+# core: each is a whole Asio translation unit), then run in turn.
+# build_one SOURCES...: queues the compile, prints the binary's name (after
+# the first source; -I its original dir via $inc).
+build_one() {
   local bin="${1%.cpp}"
-  $CXX -std=c++20 -O1 "${sanflags[@]}" -Werror=return-type -isystem "$boost_inc" -Iinclude -I"$build/include" \
-    ${inc:+-I"$inc"} "$@" -o "$bin" "$lib" -luring -lpthread
+  local cmd=("$CXX" -std=c++20 -O1 "${sanflags[@]}" -Werror=return-type -isystem "$boost_inc" -Iinclude
+             -I"$build/include" ${inc:+-I"$inc"} "$@" -o "$bin" "$lib" -luring -lpthread)
+  printf '%q ' "${cmd[@]}" >"$bin.cmd"
   echo "$bin"
+}
+# compile_all: runs the queued compiles, $(nproc) at a time; a failed one
+# fails the test (its compiler output shown).
+compile_all() {
+  local cmds=("$out"/*.cmd)
+  printf '%s\0' "${cmds[@]}" |
+    xargs -0 -P "$(nproc)" -I{} bash -c 'bash "$1" >"${1%.cmd}.build.log" 2>&1 || { echo "doc_examples: compile failed: $(cat "$1")"; cat "${1%.cmd}.build.log"; exit 255; }' _ {} ||
+    { echo "doc_examples: FAILED to compile"; exit 1; }
 }
 status=0
 inc=""
@@ -208,86 +221,27 @@ stopped_by() {
   [ "$rc" = "$2" ] || { echo "$3: FAILED (exit status $rc on SIG$1, expected $2)"; cat "$out/server.log"; status=1; return 1; }
 }
 
-src=$(move "$ex/cpp03/timers/time_t_timer.cpp" io_context)
-bin=$(build_one "$src")
-if timeout 30 "$bin" >"$out/t1.log" 2>&1; then echo "time_t_timer: ended on its own"
-else echo "time_t_timer: FAILED (rc $?)"; cat "$out/t1.log"; status=1; fi
-
-src=$(move "$ex/cpp03/tutorial/timer3/timer.cpp" io)
-bin=$(build_one "$src")
-if timeout 30 "$bin" >"$out/t3.log" 2>&1 && grep -q "^4$" "$out/t3.log" && grep -q "Final count is 5" "$out/t3.log"; then
-  echo "timer3: ended on its own, counted to 5"
-else echo "timer3: FAILED"; cat "$out/t3.log"; status=1; fi
-
-src=$(move_pool "$ex/cpp03/tutorial/timer5/timer.cpp")
-bin=$(build_one "$src")
-if timeout 60 "$bin" >"$out/t5.log" 2>&1 && grep -q "^Timer [12]: 9$" "$out/t5.log" && grep -q "Final count is 10" "$out/t5.log"; then
-  echo "timer5: ended on its own on two loops, counted to 10"
-else echo "timer5: FAILED"; cat "$out/t5.log"; status=1; fi
+# ---- every example, prepared and queued
+t1=$(build_one "$(move "$ex/cpp03/timers/time_t_timer.cpp" io_context)")
+t3=$(build_one "$(move "$ex/cpp03/tutorial/timer3/timer.cpp" io)")
+t5=$(build_one "$(move_pool "$ex/cpp03/tutorial/timer5/timer.cpp")")
 
 src=$(move "$ex/cpp20/coroutines/echo_server.cpp" io_context)
-port=$(free_port)
-with_port "$src" 55555 "$port"
-bin=$(build_one "$src")
-"$bin" >"$out/echo.log" 2>&1 &
-pid=$!
-reply=$(python3 - "$port" <<'PY'
-import socket, sys, time
-port = int(sys.argv[1])
-for _ in range(200):
-    try:
-        s = socket.create_connection(("127.0.0.1", port), timeout=10)
-        break
-    except OSError:
-        time.sleep(0.05)
-else:
-    raise SystemExit(f"no server on port {port}")
-s.sendall(b"hello shuttle")
-got = b""
-while len(got) < 13:
-    chunk = s.recv(64)
-    if not chunk:
-        break
-    got += chunk
-print(got.decode())
-PY
-) || true
-kill -INT $pid
-if wait $pid && [ "$reply" = "hello shuttle" ]; then echo "cpp20 echo_server: echoed, ended on SIGINT"
-else echo "cpp20 echo_server: FAILED (reply '$reply')"; cat "$out/echo.log"; status=1; fi
-src=$(move "$ex/cpp11/echo/async_tcp_echo_server.cpp" io_context)
-bin=$(build_one "$src")
-port=$(free_port)
-serve "$bin" "$port"
-reply=$(python3 "$out/client.py" echo "$port" "hello shuttle") || true
-# No signal_set: SIGTERM's default action ends it (status 143), as on io_context
-# (a background job of a script ignores SIGINT).
-[ "$reply" = "hello shuttle" ] || { echo "cpp11 async_tcp_echo_server: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
-stopped_by TERM 143 "cpp11 async_tcp_echo_server" && [ "$reply" = "hello shuttle" ] &&
-  echo "cpp11 async_tcp_echo_server: echoed, ended on SIGTERM (default action)"
+echo20_port=$(free_port)
+with_port "$src" 55555 "$echo20_port"
+echo20=$(build_one "$src")
+
+echo11=$(build_one "$(move "$ex/cpp11/echo/async_tcp_echo_server.cpp" io_context)")
 
 src=$(move "$ex/cpp20/coroutines/timeout.cpp" ctx)
-port=$(free_port)
-with_port "$src" 54321 "$port"
-bin=$(build_one "$src")
-serve "$bin"
-reply=$(python3 "$out/client.py" echo "$port" "hello shuttle") || true
-[ "$reply" = "hello shuttle" ] || { echo "cpp20 timeout: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
-stopped_by TERM 143 "cpp20 timeout" && [ "$reply" = "hello shuttle" ] &&
-  echo "cpp20 timeout: echoed (watchdog armed), ended on SIGTERM (default action)"
+timeout_port=$(free_port)
+with_port "$src" 54321 "$timeout_port"
+timeout20=$(build_one "$src")
 
-src=$(move "$ex/cpp20/coroutines/chat_server.cpp" io_context)
-bin=$(build_one "$src")
-port=$(free_port)
-serve "$bin" "$port"
-reply=$(python3 "$out/client.py" chat20 "$port") || true
-[ "$reply" = delivered ] || { echo "cpp20 chat_server: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
-stopped_by INT 0 "cpp20 chat_server" && [ "$reply" = delivered ] &&
-  echo "cpp20 chat_server: a line reached the other client, ended on SIGINT (its signal_set)"
+chat20=$(build_one "$(move "$ex/cpp20/coroutines/chat_server.cpp" io_context)")
 
-src=$(move "$ex/cpp11/chat/chat_server.cpp" io_context)
 inc="$ex/cpp11/chat"
-server=$(build_one "$src")
+chat_server=$(build_one "$(move "$ex/cpp11/chat/chat_server.cpp" io_context)")
 # chat_client runs io_context.run() on a std::thread: that thread runs the
 # driver instead; main() posts to the context from its own thread.
 l='std::thread t([&io_context](){ io_context.run(); });'
@@ -298,14 +252,8 @@ src="$out/chat_chat_client.cpp"
   sed 's|std::thread t(\[&io_context\](){ io_context.run(); });|std::thread t([\&io_context](){ shuttle::io_context shuttle_loop; shuttle::asio::asio_driver shuttle_drive(shuttle_loop, io_context); shuttle_drive.run(); });  // was: io_context.run() on the thread|' \
     "$ex/cpp11/chat/chat_client.cpp"
 } >"$src"
-client=$(build_one "$src")
+chat_client=$(build_one "$src")
 inc=""
-port=$(free_port)
-serve "$server" "$port"
-reply=$(timeout 60 python3 "$out/client.py" chat11 "$port" "$client") || true
-[ "$reply" = "delivered both ways, client ended" ] || { echo "cpp11 chat: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
-stopped_by TERM 143 "cpp11 chat_server" && [ "$reply" = "delivered both ways, client ended" ] &&
-  echo "cpp11 chat: server and client (driven on its thread) both ways, client ended on EOF, server on SIGTERM (default action)"
 
 # The HTTP server (cpp11/http/server): its io_context_.run() is in
 # server::run() (server.cpp), called from main(); every file gets the include.
@@ -315,25 +263,77 @@ for f in "$h"/*.cpp; do [ "$(basename "$f")" = server.cpp ] || srcs+=("$(first "
 inc="$h"
 httpd=$(build_one "${srcs[@]}")
 inc=""
-mkdir -p "$out/www"
-echo "served by asio on shuttle" >"$out/www/index.html"
 # The async HTTP client resolves "<server>" with service "http": port 80,
 # which needs root (CAP_NET_BIND_SERVICE); without it, the server runs on
 # another port and the client case is skipped.
 if python3 -c 'import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", 80))' 2>/dev/null; then
   http_port=80
+  http_client=$(build_one "$(move "$ex/cpp03/http/client/async_client.cpp" io_context)")
 else
   http_port=$(free_port)
 fi
+
+wait_for_one=$(build_one "$(move "$ex/cpp11/parallel_group/wait_for_one.cpp" ctx)")
+
+compile_all
+
+# ---- each run
+if timeout 30 "$t1" >"$out/t1.log" 2>&1; then echo "time_t_timer: ended on its own"
+else echo "time_t_timer: FAILED (rc $?)"; cat "$out/t1.log"; status=1; fi
+
+if timeout 30 "$t3" >"$out/t3.log" 2>&1 && grep -q "^4$" "$out/t3.log" && grep -q "Final count is 5" "$out/t3.log"; then
+  echo "timer3: ended on its own, counted to 5"
+else echo "timer3: FAILED"; cat "$out/t3.log"; status=1; fi
+
+if timeout 60 "$t5" >"$out/t5.log" 2>&1 && grep -q "^Timer [12]: 9$" "$out/t5.log" && grep -q "Final count is 10" "$out/t5.log"; then
+  echo "timer5: ended on its own on two loops, counted to 10"
+else echo "timer5: FAILED"; cat "$out/t5.log"; status=1; fi
+
+"$echo20" >"$out/echo.log" 2>&1 &
+pid=$!
+reply=$(python3 "$out/client.py" echo "$echo20_port" "hello shuttle") || true
+kill -INT $pid
+if wait $pid && [ "$reply" = "hello shuttle" ]; then echo "cpp20 echo_server: echoed, ended on SIGINT"
+else echo "cpp20 echo_server: FAILED (reply '$reply')"; cat "$out/echo.log"; status=1; fi
+
+port=$(free_port)
+serve "$echo11" "$port"
+reply=$(python3 "$out/client.py" echo "$port" "hello shuttle") || true
+# No signal_set: SIGTERM's default action ends it (status 143), as on io_context
+# (a background job of a script ignores SIGINT).
+[ "$reply" = "hello shuttle" ] || { echo "cpp11 async_tcp_echo_server: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
+stopped_by TERM 143 "cpp11 async_tcp_echo_server" && [ "$reply" = "hello shuttle" ] &&
+  echo "cpp11 async_tcp_echo_server: echoed, ended on SIGTERM (default action)"
+
+serve "$timeout20"
+reply=$(python3 "$out/client.py" echo "$timeout_port" "hello shuttle") || true
+[ "$reply" = "hello shuttle" ] || { echo "cpp20 timeout: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
+stopped_by TERM 143 "cpp20 timeout" && [ "$reply" = "hello shuttle" ] &&
+  echo "cpp20 timeout: echoed (watchdog armed), ended on SIGTERM (default action)"
+
+port=$(free_port)
+serve "$chat20" "$port"
+reply=$(python3 "$out/client.py" chat20 "$port") || true
+[ "$reply" = delivered ] || { echo "cpp20 chat_server: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
+stopped_by INT 0 "cpp20 chat_server" && [ "$reply" = delivered ] &&
+  echo "cpp20 chat_server: a line reached the other client, ended on SIGINT (its signal_set)"
+
+port=$(free_port)
+serve "$chat_server" "$port"
+reply=$(timeout 60 python3 "$out/client.py" chat11 "$port" "$chat_client") || true
+[ "$reply" = "delivered both ways, client ended" ] || { echo "cpp11 chat: FAILED (reply '$reply')"; cat "$out/server.log"; status=1; }
+stopped_by TERM 143 "cpp11 chat_server" && [ "$reply" = "delivered both ways, client ended" ] &&
+  echo "cpp11 chat: server and client (driven on its thread) both ways, client ended on EOF, server on SIGTERM (default action)"
+
+mkdir -p "$out/www"
+echo "served by asio on shuttle" >"$out/www/index.html"
 serve "$httpd" 127.0.0.1 "$http_port" "$out/www"
 python3 "$out/client.py" wait "$http_port" || true
 page=$(python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/index.html", timeout=20).read().decode(), end="")' "$http_port") || true
 [ "$page" = "served by asio on shuttle" ] || { echo "cpp11 http server: FAILED (page '$page')"; status=1; }
 if [ "$http_port" = 80 ]; then
-  src=$(move "$ex/cpp03/http/client/async_client.cpp" io_context)
-  bin=$(build_one "$src")
   # Its resolver's thread posts the result back: the loop must wake for it.
-  if timeout 30 "$bin" 127.0.0.1 /index.html >"$out/client.log" 2>&1 && grep -q "^served by asio on shuttle" "$out/client.log" &&
+  if timeout 30 "$http_client" 127.0.0.1 /index.html >"$out/client.log" 2>&1 && grep -q "^served by asio on shuttle" "$out/client.log" &&
      grep -q "^Content-Type: text/html" "$out/client.log"; then
     echo "cpp03 http async_client: resolved 127.0.0.1 (async_resolve), got the page, ended on its own"
   else echo "cpp03 http async_client: FAILED (rc $?)"; cat "$out/client.log"; status=1; fi
@@ -343,10 +343,8 @@ fi
 stopped_by INT 0 "cpp11 http server" && [ "$page" = "served by asio on shuttle" ] &&
   echo "cpp11 http server: served a page, ended on SIGINT (its signal_set: out of work)"
 
-src=$(move "$ex/cpp11/parallel_group/wait_for_one.cpp" ctx)
-bin=$(build_one "$src")
 # Input on stdin wins over the 5 s timer (no waiting on the timer).
-if echo hi | timeout 30 "$bin" >"$out/w1.log" 2>&1 && grep -q "^descriptor finished: .*, 3$" "$out/w1.log"; then
+if echo hi | timeout 30 "$wait_for_one" >"$out/w1.log" 2>&1 && grep -q "^descriptor finished: .*, 3$" "$out/w1.log"; then
   echo "wait_for_one: the descriptor won, ended on its own (the timer cancelled)"
 else echo "wait_for_one: FAILED"; cat "$out/w1.log"; status=1; fi
 exit $status
