@@ -32,9 +32,10 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from child_log import ChildLog
 
 TIMEOUT = 20.0
 
@@ -48,11 +49,7 @@ def fail(msg, server=None):
 
 class Server:
     def __init__(self, exe, args, nofile=None, threads=2):
-        # The child appends (O_APPEND: every write lands at the end) and
-        # text() reads with pread: the file offset is shared with the child,
-        # and a seek here could make the child's next write land over the
-        # log's beginning.
-        self.log = tempfile.TemporaryFile(mode="ab")
+        self.log = ChildLog()
         limits = None
         if nofile is not None:
             def limits():
@@ -64,7 +61,7 @@ class Server:
                 want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
                 if soft < want:
                     resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        self.proc = subprocess.Popen([exe, "--port", "0", "--threads", str(threads), *args], stdout=self.log,
+        self.proc = subprocess.Popen([exe, "--port", "0", "--threads", str(threads), *args], stdout=self.log.file,
                                      stderr=subprocess.STDOUT, preexec_fn=limits)
         deadline = time.time() + TIMEOUT
         self.port = None
@@ -79,13 +76,7 @@ class Server:
             fail("the server did not listen", self)
 
     def text(self):
-        fd, chunks, offset = self.log.fileno(), [], 0
-        while True:
-            chunk = os.pread(fd, 1 << 20, offset)
-            if not chunk:
-                return b"".join(chunks).decode(errors="replace")
-            chunks.append(chunk)
-            offset += len(chunk)
+        return self.log.text()
 
     def dump(self):
         print("--- server log:")

@@ -18,15 +18,15 @@ tools_test.py ECHO_SERVER ECHO_CLIENT PERF TRANSFER
 Every wait is bounded; exit status 0 when all of that holds.
 """
 import math
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from child_log import ChildLog
 
 TIMEOUT = 30.0
 LINES_PER_SECOND = 5  # tools::throttled_log's default
@@ -44,12 +44,8 @@ class Process:
     """A tool in the background, its stdout and stderr in one file."""
 
     def __init__(self, argv, ready):
-        # The child appends (O_APPEND: every write lands at the end) and
-        # text() reads with pread: the file offset is shared with the child,
-        # and a seek here could make the child's next write land over the
-        # log's beginning.
-        self.log = tempfile.TemporaryFile(mode="ab")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = ChildLog()
+        self.proc = subprocess.Popen(argv, stdout=self.log.file, stderr=subprocess.STDOUT)
         deadline = time.time() + TIMEOUT
         self.match = None
         while time.time() < deadline and self.match is None:
@@ -62,13 +58,7 @@ class Process:
             fail("%s was not ready within %d s" % (argv[0], TIMEOUT), self.text())
 
     def text(self):
-        fd, chunks, offset = self.log.fileno(), [], 0
-        while True:
-            chunk = os.pread(fd, 1 << 20, offset)
-            if not chunk:
-                return b"".join(chunks).decode(errors="replace")
-            chunks.append(chunk)
-            offset += len(chunk)
+        return self.log.text()
 
     def stop(self, sig, summary):
         self.proc.send_signal(sig)
