@@ -98,7 +98,7 @@ first() {
 # the first source; -I its original dir via $inc).
 build_one() {
   local bin="${1%.cpp}"
-  local cmd=("$CXX" -std=c++20 -O1 "${sanflags[@]}" -Werror=return-type -isystem "$boost_inc" -Iinclude
+  local cmd=("$CXX" -std=c++20 -O0 "${sanflags[@]}" -Werror=return-type -isystem "$boost_inc" -Iinclude
              -I"$build/include" ${inc:+-I"$inc"} "$@" -o "$bin" "$lib" -luring -lpthread)
   printf '%q ' "${cmd[@]}" >"$bin.cmd"
   echo "$bin"
